@@ -1,0 +1,166 @@
+"""``fsdp_backend`` and ``make_backend``: AOTAutograd, a resharding partition, the passes, Inductor.
+
+``torch.compile(model, backend=fsdp_backend)`` on a model prepared with ``fully_shard``:
+
+1. AOTAutograd traces the joint forward+backward graph with Inductor's decompositions; the graph holds
+   ``fsdp::unshard`` markers in forward and ``fsdp::reduce_grad`` markers in backward.
+2. ``partition`` marks each unshard of a resharding unit must-recompute before the min-cut partitioner
+   runs, so forward saves the *shard* and backward gathers again (see NOTE [reshard by recompute]).
+3. The passes (``passes/``) lower markers to collectives on the two groups and schedule them.
+4. Inductor compiles each graph (``compile_fx_inner``), or, with ``inductor=False``, the lowered FX
+   graphs run as they are (for debugging).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.compile_fx import compile_fx_inner
+from torch._inductor.decomposition import select_decomp_table
+from torch.utils.checkpoint import CheckpointPolicy
+
+from passes import NamedPass, run_passes
+from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
+from passes.predicates import UnshardArgs, is_unshard
+
+from . import ops as _ops  # noqa: F401  (registers the marker ops)
+
+__all__ = ["BackendOptions", "make_backend", "fsdp_backend", "observe_graphs"]
+
+_VIEW_OPS = {
+    torch.ops.aten.t.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.select.int,
+    torch.ops.prims.convert_element_type.default,
+    torch.ops.aten._to_copy.default,
+}
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Settings of one backend made by :func:`make_backend`."""
+
+    inductor: bool = True
+    disabled_passes: tuple[str, ...] = ()
+    log_pass_diffs: bool = False
+
+
+_graph_ids = itertools.count()
+_observers: list[Callable[[str, fx.GraphModule], None]] = []
+
+
+@contextlib.contextmanager
+def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
+    """Collect ``(kind, graph)`` for every graph the backend hands on while the context is open.
+
+    ``kind`` is ``"forward"``, ``"backward"`` or ``"inference"``; the graph is the scheduled FX graph
+    exactly as given to Inductor (or run as is, with ``inductor=False``).
+    """
+    seen: list[tuple[str, fx.GraphModule]] = []
+    observer = lambda kind, gm: seen.append((kind, gm))  # noqa: E731
+    _observers.append(observer)
+    try:
+        yield seen
+    finally:
+        _observers.remove(observer)
+
+
+def _tag_reshard(joint: fx.GraphModule) -> None:
+    """NOTE [reshard by recompute]: mark unshards of resharding units (and the view/cast chains that
+    only read them) must-recompute, so the partitioner cannot save a gathered param for backward and
+    instead re-runs the unshard there; units with ``reshard_after_forward=False`` are must-save."""
+    for node in joint.graph.nodes:
+        if not is_unshard(node):
+            continue
+        reshard = UnshardArgs.of(node).reshard
+        policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+        node.meta["recompute"] = policy
+        node.meta["ac_graph_id"] = 0
+        if not reshard:
+            continue
+        frontier = list(node.users)
+        while frontier:
+            user = frontier.pop()
+            if user.op == "call_function" and user.target in _VIEW_OPS and "recompute" not in user.meta:
+                user.meta["recompute"] = policy
+                user.meta["ac_graph_id"] = 0
+                frontier.extend(user.users)
+
+
+def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The min-cut partition, after :func:`_tag_reshard`."""
+    _tag_reshard(joint)
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _passes(options: BackendOptions) -> list[NamedPass]:
+    return [
+        NamedPass("lower_unshard", lower_unshard_pass),
+        NamedPass("lower_reduce_grad", lower_reduce_grad_pass),
+    ]
+
+
+def _compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: BackendOptions,
+    is_backward: bool,
+    is_inference: bool,
+) -> Callable[..., Any]:
+    gm = run_passes(gm, _passes(options), disabled=options.disabled_passes, log_diff=options.log_pass_diffs)
+    kind = "backward" if is_backward else "inference" if is_inference else "forward"
+    for observer in _observers:
+        observer(kind, gm)
+    if not options.inductor:
+        return make_boxed_func(gm.forward)
+    with torch._inductor.config.patch(reorder_for_peak_memory=False):
+        return compile_fx_inner(
+            gm,
+            example_inputs,
+            is_backward=is_backward,
+            is_inference=is_inference,
+            graph_id=next(_graph_ids),
+        )
+
+
+def make_backend(*, inductor: bool = True, disabled_passes: Sequence[str] = (), log_pass_diffs: bool = False) -> Any:
+    """A ``torch.compile`` backend for models prepared with ``fully_shard``.
+
+    ``inductor=False`` runs the lowered, scheduled FX graphs without Inductor (for debugging).
+    ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
+    """
+    options = BackendOptions(
+        inductor=inductor, disabled_passes=tuple(disabled_passes), log_pass_diffs=log_pass_diffs
+    )
+    compile_fw = functools.partial(_compile, options=options, is_backward=False, is_inference=False)
+    compile_bw = functools.partial(_compile, options=options, is_backward=True, is_inference=False)
+    compile_inf = functools.partial(_compile, options=options, is_backward=False, is_inference=True)
+    return aot_autograd(
+        fw_compiler=compile_fw,
+        bw_compiler=compile_bw,
+        inference_compiler=compile_inf,
+        partition_fn=partition,
+        decompositions=select_decomp_table(),
+    )
+
+
+fsdp_backend = make_backend()

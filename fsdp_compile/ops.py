@@ -1,0 +1,168 @@
+"""The two marker ops that Dynamo and AOTAutograd see: ``fsdp::unshard`` and ``fsdp::reduce_grad``.
+
+``unshard(shard) -> full param`` is what a sharded module calls (through a parametrization) each time
+it reads a parameter. Its registered autograd backward is ``reduce_grad(full grad) -> shard grad``, so
+the joint graph AOTAutograd builds holds one marker in forward and its partner in backward, each
+carrying, as plain op arguments, everything the passes need: the unit, the groups, the world size, the
+full shape and the dtypes. The passes in ``passes/`` replace both with functional collectives; the
+eager implementations below only run when a sharded model is *not* compiled by ``fsdp_backend``.
+
+NOTE [padding]: a param of dim-0 size ``n`` is stored as ``ceil(n / world)`` rows on every rank; the
+last ranks hold zero rows past ``n``. ``unshard`` gathers ``world * rows`` rows and narrows to ``n``;
+``reduce_grad`` pads the gradient with zero rows back to ``world * rows`` before reduce-scattering,
+so padding never reaches the user's compute, and the padded rows of a shard's grad are always zero.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+from torch import Tensor
+
+__all__ = ["unshard", "reduce_grad", "shard_rows"]
+
+_NAMESPACE = "fsdp"
+
+_warned = threading.Event()
+
+
+def _warn_slow_path() -> None:
+    if not _warned.is_set():
+        _warned.set()
+        warnings.warn(
+            "fsdp_compile: a sharded model ran its unshard/reduce_grad markers eagerly (uncompiled, or "
+            "compiled with another backend). Results are correct, but every parameter is gathered and "
+            "reduced with a blocking collective and nothing overlaps. Use "
+            "torch.compile(model, backend=fsdp_backend) for the scheduled path.",
+            stacklevel=3,
+        )
+
+
+def shard_rows(dim0: int, world_size: int) -> int:
+    """Rows of dim 0 that each rank stores for a param whose dim 0 is ``dim0`` (see NOTE [padding])."""
+    return -(-dim0 // world_size)
+
+
+def _dim0(shape: list[int]) -> int:
+    return shape[0] if len(shape) > 0 else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# unshard
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::unshard", mutates_args=())
+def unshard(
+    shard: Tensor,
+    full_shape: list[int],
+    world_size: int,
+    unit: int,
+    name: str,
+    ag_group: str,
+    rs_group: str,
+    replicate_group: str,
+    replicate_size: int,
+    reshard: bool,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> Tensor:
+    """Gather the full parameter ``name`` of ``unit`` from every rank's dim-0 shard.
+
+    ``shard`` has ``shard_rows(full_shape[0], world_size)`` rows; the result has ``full_shape`` and
+    ``param_dtype`` (the shard's dtype when ``None``): the cast happens before the gather. The other
+    arguments only inform the backward (``reduce_grad``) and the graph passes.
+    """
+    _warn_slow_path()
+    x = shard if param_dtype is None else shard.to(param_dtype)
+    if world_size > 1:
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), world_size, ag_group)
+        x = torch.ops._c10d_functional.wait_tensor(gathered)
+    else:
+        x = x.clone()
+    return x.reshape(-1, *x.shape[1:])[: _dim0(full_shape)].reshape(full_shape).contiguous()
+
+
+@unshard.register_fake
+def _unshard_fake(shard: Tensor, full_shape: list[int], world_size: int, *args: object) -> Tensor:
+    param_dtype = args[-2]
+    assert param_dtype is None or isinstance(param_dtype, torch.dtype)
+    return shard.new_empty(full_shape, dtype=param_dtype or shard.dtype)
+
+
+def _unshard_setup_context(ctx: object, inputs: tuple, output: Tensor) -> None:
+    ctx.args = inputs[1:]  # type: ignore[attr-defined]
+    ctx.shard_shape = list(inputs[0].shape)  # type: ignore[attr-defined]
+    ctx.shard_dtype = inputs[0].dtype  # type: ignore[attr-defined]
+
+
+def _unshard_backward(ctx: object, grad: Tensor) -> tuple:
+    (full_shape, world_size, unit, name, ag_group, rs_group, replicate_group, replicate_size, _reshard,
+     _param_dtype, reduce_dtype) = ctx.args  # type: ignore[attr-defined]
+    shard_grad = reduce_grad(
+        grad,
+        ctx.shard_shape,  # type: ignore[attr-defined]
+        world_size,
+        unit,
+        name,
+        rs_group,
+        replicate_group,
+        replicate_size,
+        reduce_dtype,
+        ctx.shard_dtype,  # type: ignore[attr-defined]
+    )
+    return (shard_grad,) + (None,) * len(ctx.args)  # type: ignore[attr-defined]
+
+
+unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# reduce_grad
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::reduce_grad", mutates_args=())
+def reduce_grad(
+    grad: Tensor,
+    shard_shape: list[int],
+    world_size: int,
+    unit: int,
+    name: str,
+    rs_group: str,
+    replicate_group: str,
+    replicate_size: int,
+    reduce_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """Average the full gradient of ``name`` over all data-parallel ranks and keep this rank's shard.
+
+    The gradient is cast to ``reduce_dtype`` (when given), padded to ``world_size`` shards, summed with
+    a reduce-scatter on ``rs_group``, all-reduced over ``replicate_group`` when one is named (HSDP),
+    divided by the number of data-parallel ranks and cast to ``out_dtype``.
+    """
+    _warn_slow_path()
+    g = grad if reduce_dtype is None else grad.to(reduce_dtype)
+    rows = shard_shape[0] if shard_shape else 1
+    g = g.reshape(-1, *g.shape[1:]) if g.dim() > 0 else g.reshape(1)
+    if g.shape[0] < rows * world_size:
+        g = torch.cat([g, g.new_zeros(rows * world_size - g.shape[0], *g.shape[1:])])
+    if world_size > 1:
+        g = torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.reduce_scatter_tensor(g.contiguous(), "sum", world_size, rs_group)
+        )
+    if replicate_group:
+        g = torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce(g.contiguous(), "sum", replicate_group)
+        )
+    g = g / (world_size * max(replicate_size, 1))
+    return g.to(out_dtype).reshape(shard_shape)
+
+
+@reduce_grad.register_fake
+def _reduce_grad_fake(grad: Tensor, shard_shape: list[int], *args: object) -> Tensor:
+    out_dtype = args[-1]
+    assert isinstance(out_dtype, torch.dtype)
+    return grad.new_empty(shard_shape, dtype=out_dtype)

@@ -1,0 +1,102 @@
+"""Lower the two markers to functional collectives, one collective per parameter.
+
+Before::
+
+    shard -> fsdp::unshard -> full param            grad -> fsdp::reduce_grad -> shard grad
+
+After (each wait right after its launch: the later passes bucket, move and pin them)::
+
+    shard -> [cast] -> all_gather_into_tensor(ag_group) -> wait_tensor -> [narrow] -> view
+    grad -> [cast] -> [pad] -> reduce_scatter_tensor(sum, rs_group) -> wait_tensor
+         -> [all_reduce(sum, replicate_group) -> wait_tensor] -> div(dp ranks) -> [cast] -> view
+
+See NOTE [padding] in ``fsdp_compile/ops.py``. A world size of one needs no collective: the all-gather
+and reduce-scatter are left out and only the casts (and a view) remain.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, fx
+
+from .predicates import ReduceGradArgs, UnshardArgs, fsdp_meta, is_reduce_grad, is_unshard
+from .splice import splice
+
+__all__ = ["lower_unshard_pass", "lower_reduce_grad_pass", "gather_flat", "scatter_flat"]
+
+c10d = torch.ops._c10d_functional
+
+
+def gather_flat(flat: Tensor, world_size: int, group: str) -> Tensor:
+    """All-gather a 1-D tensor: ``world_size * len(flat)`` elements, rank-major."""
+    if world_size == 1:
+        return flat
+    return c10d.wait_tensor(c10d.all_gather_into_tensor(flat, world_size, group))
+
+
+def scatter_flat(flat: Tensor, world_size: int, group: str) -> Tensor:
+    """Sum-reduce-scatter a 1-D tensor: this rank's ``len(flat) / world_size`` elements."""
+    if world_size == 1:
+        return flat
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(flat, "sum", world_size, group))
+
+
+def lower_unshard_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace each ``fsdp::unshard`` with its own all-gather on the all-gather group."""
+    for node in list(gm.graph.nodes):
+        if not is_unshard(node):
+            continue
+        a = UnshardArgs.of(node)
+        dim0 = a.full_shape[0] if a.full_shape else 1
+
+        def gather(shard: Tensor, a: UnshardArgs = a, dim0: int = dim0) -> Tensor:
+            x = shard if a.param_dtype is None else shard.to(a.param_dtype)
+            full = gather_flat(x.reshape(-1), a.world_size, a.ag_group)
+            rows = full.view(-1, *x.shape[1:]) if x.dim() > 0 else full
+            return rows[:dim0].reshape(a.full_shape)
+
+        (out,) = splice(gm.graph, gather, [a.shard], before=node,
+                        meta={"unit": a.unit, "param": a.name, "kind": "all_gather", "group": a.ag_group})
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+    return gm
+
+
+def lower_reduce_grad_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace each ``fsdp::reduce_grad`` with its own reduce-scatter on the reduce-scatter group."""
+    for node in list(gm.graph.nodes):
+        if not is_reduce_grad(node):
+            continue
+        a = ReduceGradArgs.of(node)
+
+        def reduce(grad: Tensor, a: ReduceGradArgs = a) -> Tensor:
+            return reduce_flat(grad.reshape(-1), a)
+
+        (out,) = splice(gm.graph, reduce, [a.grad], before=node,
+                        meta={"unit": a.unit, "param": a.name, "kind": "reduce_scatter", "group": a.rs_group})
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+    return gm
+
+
+def reduce_flat(flat: Tensor, a: ReduceGradArgs) -> Tensor:
+    """The reduce-scatter of one full flat gradient into its shard (also used per bucket slot)."""
+    g = flat if a.reduce_dtype is None else flat.to(a.reduce_dtype)
+    shard_numel = 1
+    for s in a.shard_shape:
+        shard_numel *= s
+    padded = shard_numel * a.world_size
+    if g.numel() < padded:
+        g = torch.nn.functional.pad(g, (0, padded - g.numel()))
+    g = scatter_flat(g, a.world_size, a.rs_group)
+    if a.replicate_group:
+        g = c10d.wait_tensor(c10d.all_reduce(g, "sum", a.replicate_group))
+    ranks = a.world_size * max(a.replicate_size, 1)
+    if ranks > 1:
+        g = g / ranks
+    return g.to(a.out_dtype).view(a.shard_shape)
+
+
+def annotate(node: fx.Node, **kv: object) -> None:
+    """Merge ``kv`` into a node's ``meta["fsdp"]``."""
+    fsdp_meta(node).update(kv)

@@ -1,0 +1,162 @@
+"""Small predicates over FX nodes; each docstring draws the shape it matches.
+
+The marker ops are matched by their qualified names (``fsdp::unshard``, ``fsdp::reduce_grad``), so this
+package needs nothing from ``fsdp_compile``: graphs are read through their op arguments alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+__all__ = [
+    "UnshardArgs",
+    "ReduceGradArgs",
+    "is_unshard",
+    "is_reduce_grad",
+    "is_all_gather",
+    "is_reduce_scatter",
+    "is_all_reduce",
+    "is_collective",
+    "is_wait",
+    "waited_collective",
+    "wait_of",
+    "fsdp_meta",
+    "tensor_bytes",
+]
+
+c10d = torch.ops._c10d_functional
+
+
+def _op_name(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    schema = getattr(node.target, "_schema", None)
+    return schema.name if schema is not None else None
+
+
+def is_unshard(node: fx.Node) -> bool:
+    """``shard -> fsdp::unshard -> full param``: a marker before lowering."""
+    return _op_name(node) == "fsdp::unshard"
+
+
+def is_reduce_grad(node: fx.Node) -> bool:
+    """``full grad -> fsdp::reduce_grad -> shard grad``: a marker before lowering."""
+    return _op_name(node) == "fsdp::reduce_grad"
+
+
+def is_all_gather(node: fx.Node) -> bool:
+    """``flat shard -> all_gather_into_tensor(n, group)``"""
+    return node.op == "call_function" and node.target is c10d.all_gather_into_tensor.default
+
+
+def is_reduce_scatter(node: fx.Node) -> bool:
+    """``flat grad -> reduce_scatter_tensor(op, n, group)``"""
+    return node.op == "call_function" and node.target is c10d.reduce_scatter_tensor.default
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    """``grad shard -> all_reduce(op, group)`` (the replicate dimension of HSDP)"""
+    return node.op == "call_function" and node.target is c10d.all_reduce.default
+
+
+def is_collective(node: fx.Node) -> bool:
+    """Any collective launch this package emits."""
+    return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+
+
+def is_wait(node: fx.Node) -> bool:
+    """``collective -> wait_tensor``"""
+    return node.op == "call_function" and node.target is c10d.wait_tensor.default
+
+
+def waited_collective(wait: fx.Node) -> fx.Node:
+    """``collective -> wait``: the collective a wait waits for."""
+    assert is_wait(wait), wait
+    launch = wait.args[0]
+    assert isinstance(launch, fx.Node) and is_collective(launch), launch
+    return launch
+
+
+def wait_of(collective: fx.Node) -> fx.Node:
+    """``collective -> wait``: the (single) wait of a collective."""
+    waits = [u for u in collective.users if is_wait(u)]
+    assert len(waits) == 1, (collective, waits)
+    return waits[0]
+
+
+def collective_group(node: fx.Node) -> str:
+    """The group name argument of a collective launch."""
+    group = node.args[-1]
+    assert isinstance(group, str), node
+    return group
+
+
+def fsdp_meta(node: fx.Node) -> dict[str, object]:
+    """The annotations passes leave on nodes they create (unit, kind, group, stream, bytes...)."""
+    return node.meta.setdefault("fsdp", {})
+
+
+def tensor_bytes(node: fx.Node) -> int:
+    """Bytes of the tensor a node produces, from its fake value (0 when unknown)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return int(val.numel()) * val.element_size()
+    return 0
+
+
+@dataclass(frozen=True)
+class UnshardArgs:
+    """The arguments of ``fsdp::unshard``, by name (see ``fsdp_compile.ops.unshard``)."""
+
+    shard: fx.Node
+    full_shape: tuple[int, ...]
+    world_size: int
+    unit: int
+    name: str
+    ag_group: str
+    rs_group: str
+    replicate_group: str
+    replicate_size: int
+    reshard: bool
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+    @classmethod
+    def of(cls, node: fx.Node) -> UnshardArgs:
+        assert is_unshard(node), node
+        args = _schema_args(node)
+        return cls(**{**args, "full_shape": tuple(args["full_shape"])})
+
+
+@dataclass(frozen=True)
+class ReduceGradArgs:
+    """The arguments of ``fsdp::reduce_grad``, by name (see ``fsdp_compile.ops.reduce_grad``)."""
+
+    grad: fx.Node
+    shard_shape: tuple[int, ...]
+    world_size: int
+    unit: int
+    name: str
+    rs_group: str
+    replicate_group: str
+    replicate_size: int
+    reduce_dtype: torch.dtype | None
+    out_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, node: fx.Node) -> ReduceGradArgs:
+        assert is_reduce_grad(node), node
+        args = _schema_args(node)
+        return cls(**{**args, "shard_shape": tuple(args["shard_shape"])})
+
+
+def _schema_args(node: fx.Node) -> dict[str, object]:
+    """A marker's arguments by schema name, whether the call passed them by position or keyword."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    out: dict[str, object] = {}
+    for i, arg in enumerate(schema.arguments):
+        out[arg.name] = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+    return out

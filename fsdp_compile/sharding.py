@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .groups import FsdpGroups
 from .ops import shard_rows
@@ -75,7 +76,7 @@ class ShardedParam:
 
 # Module -> unit and shard -> param, keyed weakly so that dropping a model frees everything.
 _units: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
-_params: weakref.WeakKeyDictionary[Tensor, ShardedParam] = weakref.WeakKeyDictionary()
+_params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Tensor -> ShardedParam, by identity
 _unit_counter = [0]
 
 
@@ -163,16 +164,16 @@ def fully_shard(
     Returns ``module`` (sharded in place). Buffers stay replicated; frozen parameters are gathered
     but never reduced.
     """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "fully_shard: no default process group is initialised; call "
+            "torch.distributed.init_process_group(...) and then groups = FsdpGroups.create() first."
+        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard: expected an nn.Module, got {type(module).__name__}.")
     if not isinstance(groups, FsdpGroups):
         raise TypeError(
             f"fully_shard: groups must be an FsdpGroups (FsdpGroups.create()), got {type(groups).__name__}."
-        )
-    if not dist.is_initialized():
-        raise ValueError(
-            "fully_shard: no default process group is initialised; call "
-            "torch.distributed.init_process_group(...) and FsdpGroups.create() first."
         )
     unit_name = type(module).__name__
     if module in _units:
@@ -187,9 +188,11 @@ def fully_shard(
     # Which (owner, name, param) does this unit take? Everything not managed yet; a param that an
     # earlier unit manages may only appear here behind that unit's parametrization.
     new: list[tuple[nn.Module, str, nn.Parameter]] = []
+    visited: set[int] = set()  # a module reachable under two names is sharded once
     for mod_name, owner in module.named_modules(remove_duplicate=False):
-        if isinstance(owner, parametrize.ParametrizationList):
+        if isinstance(owner, parametrize.ParametrizationList) or id(owner) in visited:
             continue
+        visited.add(id(owner))
         for pname, p in list(owner._parameters.items()):
             if p is None:
                 continue

@@ -1,13 +1,19 @@
-"""Rank functions for the multi-process tests (module level, so spawned processes can import them)."""
+"""Rank functions for the multi-process tests (module level, so spawned processes can import them).
+
+A ``Case`` says what to train and how; ``train_case`` runs it sharded on every rank and, on the same
+process, the single-process eager reference on the global batch, and returns both for the test to
+compare.
+"""
 
 from __future__ import annotations
 
-import copy
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.models import ModelConfig, Transformer, loss_fn
@@ -16,12 +22,79 @@ from fsdp_compile.sharding import unit_of
 TINY = ModelConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_seq_len=16)
 
 
-def make_batches(cfg: ModelConfig, steps: int, batch: int, seq: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
+class UnevenBlock(nn.Module):
+    """Width-10 block: a shared module (``proj`` twice), a param shared by two modules, a buffer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.again = self.proj  # the same module under a second name
+        self.gate = nn.Linear(width, width, bias=False)
+        self.up = nn.Linear(width, width, bias=False)
+        self.up.weight = self.gate.weight  # one param, two modules, one unit
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.again(torch.tanh(self.proj(x)))) * self.scale
+        return x + self.up(torch.sigmoid(self.gate(h)))
+
+
+class UnevenModel(nn.Module):
+    """Vocabulary 1001 and width 10: nothing divides evenly by 4 ranks."""
+
+    def __init__(self, vocab: int = 1001, width: int = 10, n_layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(UnevenBlock(width) for _ in range(n_layers))
+        self.head = nn.Linear(width, vocab)
+        self.emb.weight.requires_grad_(False)  # frozen: gathered, never reduced
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training comparison."""
+
+    model: str = "llama"  # "llama" (Transformer(cfg)) or "uneven" (UnevenModel)
+    cfg: ModelConfig = TINY
+    optim: str = "adamw"
+    steps: int = 10
+    microbatches: int = 1  # forward/backward calls per optimizer step
+    per_rank_batch: int = 2
+    seq: int = 8
+    run: str = "fsdp"  # "fsdp" (fsdp_backend), "eager" (uncompiled), "inductor" (another backend)
+    backend_kw: dict[str, Any] = field(default_factory=dict)
+    group_kw: dict[str, Any] = field(default_factory=dict)
+    shard_kw: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> nn.Module:
+        torch.manual_seed(0)
+        if self.model == "llama":
+            return Transformer(self.cfg)
+        if self.model == "uneven":
+            return UnevenModel()
+        raise ValueError(self.model)
+
+    @property
+    def vocab(self) -> int:
+        return self.cfg.vocab_size if self.model == "llama" else 1001
+
+
+def make_batches(case: Case, world: int) -> list[list[tuple[Tensor, Tensor]]]:
+    """``steps`` lists of ``microbatches`` global (tokens, targets) batches."""
+    g = torch.Generator().manual_seed(1)
     out = []
-    for _ in range(steps):
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
+    for _ in range(case.steps):
+        micro = []
+        for _ in range(case.microbatches):
+            tokens = torch.randint(0, case.vocab, (case.per_rank_batch * world, case.seq + 1), generator=g)
+            micro.append((tokens[:, :-1], tokens[:, 1:]))
+        out.append(micro)
     return out
 
 
@@ -33,64 +106,92 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
-def shard_model(model: Transformer, groups: FsdpGroups, **kw: Any) -> Transformer:
-    for block in model.layers:
+def shard_model(model: nn.Module, groups: FsdpGroups, **kw: Any) -> nn.Module:
+    """Blocks first, then the root."""
+    for block in model.layers:  # type: ignore[union-attr]
         fully_shard(block, groups=groups, **kw)
     fully_shard(model, groups=groups, **kw)
     return model
 
 
-def reference_run(cfg: ModelConfig, batches: list, optim: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process eager training on the global batches: losses per step and the first step's grads."""
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    opt = make_optimizer(optim, model.parameters())
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def reference_run(case: Case, batches: list) -> tuple[list[float], dict[str, Tensor]]:
+    """Single-process eager training on the global batches: losses per step, first step's grads."""
+    model = case.build()
+    opt = make_optimizer(case.optim, _trainable(model))
     losses, grads0 = [], {}
-    for step, (x, y) in enumerate(batches):
-        loss = loss_fn(model(x), y)
-        loss.backward()
+    for step, micro in enumerate(batches):
+        total = 0.0
+        for x, y in micro:
+            loss = loss_fn(model(x), y) / case.microbatches
+            loss.backward()
+            total += loss.item()
         if step == 0:
-            grads0 = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads0 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
     return losses, grads0
 
 
-def train_sharded(rank: int, world: int, cfg: ModelConfig, steps: int, optim: str, inductor: bool,
-                  backend_kw: dict | None = None, group_kw: dict | None = None) -> dict[str, Any]:
-    """Train the sharded, compiled model on this rank's slice of each global batch."""
-    batches = make_batches(cfg, steps, batch=2 * world, seq=8)
-    groups = FsdpGroups.create(**(group_kw or {}))
-    torch.manual_seed(0)
-    model = shard_model(Transformer(cfg), groups)
-    compiled = torch.compile(model, backend=make_backend(inductor=inductor, **(backend_kw or {})))
-    opt = make_optimizer(optim, model.parameters())
-    losses = []
-    per = 2
-    for step, (x, y) in enumerate(batches):
-        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-        loss = loss_fn(compiled(xs), ys)
-        loss.backward()
-        if step == 0:
-            grads0 = {sp.fqn: sp.shard.grad.clone() for u in _units(model) for sp in u.params}
-        opt.step()
-        opt.zero_grad()
-        avg = loss.detach().clone()
-        dist.all_reduce(avg)
-        losses.append(avg.item() / world)
-    ref_losses, ref_grads = reference_run(cfg, batches, optim)
-    groups.destroy()
-    return {"losses": losses, "ref_losses": ref_losses, "grads0": grads0,
-            "ref_grads0": {n: _slice(ref_grads[n], rank, world) for n in grads0}}
+def sharded_grads(model: nn.Module) -> dict[str, Tensor]:
+    """Each managed param's shard grad by its name relative to the root."""
+    out = {}
+    for m in model.modules():
+        unit = unit_of(m)
+        for sp in unit.params if unit is not None else ():
+            if sp.shard.grad is not None:
+                out[sp.fqn] = sp.shard.grad.clone()
+    return out
 
 
-def _units(model: nn.Module) -> list:
-    return [u for m in model.modules() if (u := unit_of(m)) is not None]
-
-
-def _slice(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+def ref_slice(full: Tensor, rank: int, world: int) -> Tensor:
+    """The rows of ``full`` that ``rank`` holds, padded with zeros as the shard is."""
+    full = full.reshape(1) if full.dim() == 0 else full
     rows = -(-full.shape[0] // world)
-    padded = torch.zeros(rows * world, *full.shape[1:], dtype=full.dtype)
+    padded = full.new_zeros(rows * world, *full.shape[1:])
     padded[: full.shape[0]] = full
     return padded[rank * rows:(rank + 1) * rows]
+
+
+def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
+    """Train ``case`` sharded on this rank's slice of every global batch; also run the reference."""
+    batches = make_batches(case, world)
+    groups = FsdpGroups.create(**case.group_kw)
+    model = shard_model(case.build(), groups, **case.shard_kw)
+    if case.run == "fsdp":
+        step_model = torch.compile(model, backend=make_backend(**case.backend_kw))
+    elif case.run == "inductor":
+        step_model = torch.compile(model, backend="inductor")
+    else:
+        step_model = model
+    opt = make_optimizer(case.optim, _trainable(model))
+    losses, grads0 = [], {}
+    lo, hi = rank * case.per_rank_batch, (rank + 1) * case.per_rank_batch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, micro in enumerate(batches):
+            total = torch.zeros(())
+            for x, y in micro:
+                loss = loss_fn(step_model(x[lo:hi]), y[lo:hi]) / case.microbatches
+                loss.backward()
+                total += loss.detach()
+            if step == 0:
+                grads0 = sharded_grads(model)
+            opt.step()
+            opt.zero_grad()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+    ref_losses, ref_grads = reference_run(case, batches)
+    groups.destroy()
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "grads0": grads0,
+        "ref_grads0": {n: ref_slice(ref_grads[n], rank, world) for n in grads0},
+        "ref_grad_names": sorted(ref_grads),
+        "warnings": [str(w.message) for w in caught],
+    }

@@ -1,5 +1,6 @@
-"""Run a function on several gloo ranks in spawned processes, with a deadline and every rank's traceback.
+"""Run a function on several ranks in spawned processes, with a deadline and every rank's traceback.
 
+Used by the demo and the benchmarks (CPU ranks on gloo, no torchrun needed) and by the tests.
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each initialising a gloo process
 group and calling ``fn(rank, world_size, *args)``; it returns the per-rank results in rank order.
 A rank that raises makes it raise ``RankFailure`` carrying each failed rank's traceback; a run that
@@ -18,12 +19,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["RankFailure", "run_ranks"]
 
 
-class RankFailure(AssertionError):
+class RankFailure(RuntimeError):
     """One or more ranks raised or the run timed out; the message holds every rank's traceback."""
 
 
@@ -34,19 +37,16 @@ def _free_port() -> int:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any,
-            args: tuple, pg_timeout_s: float) -> None:
-    import torch
-    import torch.distributed as dist
-
+            args: tuple, pg_timeout_s: float, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
         )
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
-        torch.save(out, buf)  # by value: the process may exit before the parent reads shared memory
+        torch.save(out, buf)  # by value: the process may exit before the parent maps shared memory
         results.put((rank, "ok", buf.getvalue()))
     except BaseException:  # reported to the parent, which raises
         results.put((rank, "error", traceback.format_exc()))
@@ -55,41 +55,51 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
             dist.destroy_process_group()
 
 
+def _collect(results: Any, world_size: int, procs: list, deadline: float) -> dict[int, tuple[str, Any]]:
+    got: dict[int, tuple[str, Any]] = {}
+    while len(got) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, payload = results.get(timeout=min(max(deadline - time.monotonic(), 0.01), 1.0))
+            got[rank] = (status, payload)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+        if any(s == "error" for s, _ in got.values()):
+            # A failed rank leaves its peers blocked in a collective: give them a moment to report
+            # (gloo's own timeout fires later), then stop waiting.
+            grace = min(deadline, time.monotonic() + 10)
+            while len(got) < world_size and time.monotonic() < grace:
+                try:
+                    rank, status, payload = results.get(timeout=0.5)
+                    got[rank] = (status, payload)
+                except queue.Empty:
+                    pass
+            break
+    return got
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
-              pg_timeout_s: float = 120.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+              pg_timeout_s: float = 120.0, threads: int | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` must be importable by module path (spawned processes unpickle it). Each rank uses
+    ``threads`` intra-op threads (default: the cores divided among the ranks, at least one).
+    Results travel by value (``torch.save``), so tensors are fine.
+    """
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args, pg_timeout_s), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args, pg_timeout_s, threads),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
-    got: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(got) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                rank, status, payload = results.get(timeout=min(left, 1.0))
-                got[rank] = (status, payload)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-            if any(s == "error" for s, _ in got.values()):
-                # Give the other ranks a moment to report their own error, then stop waiting.
-                grace = time.monotonic() + 10
-                while len(got) < world_size and time.monotonic() < grace:
-                    try:
-                        rank, status, payload = results.get(timeout=0.5)
-                        got[rank] = (status, payload)
-                    except queue.Empty:
-                        pass
-                break
+        got = _collect(results, world_size, procs, time.monotonic() + timeout)
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -101,8 +111,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if failed or missing:
         parts = [f"--- rank {r} raised:\n{tb}" for r, tb in sorted(failed.items())]
         if missing:
-            parts.append(f"--- ranks {missing} did not finish within {timeout:.0f}s (killed; a hang or a crash)")
+            parts.append(f"--- ranks {missing} did not finish within {timeout:.0f}s (killed: a hang, or a crash)")
         raise RankFailure("\n".join(parts))
-    import torch
-
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,68 @@
+"""The graphs handed to Inductor: which group each collective runs on, and what forward saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile.models import Transformer
+from passes.predicates import is_all_gather, is_reduce_scatter
+
+from .graph_utils import SMALL, capture, collectives, gathered_values, shard_blocks_then_root
+
+
+def _tokens() -> torch.Tensor:
+    return torch.zeros(2, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize("dedicated", ["reduce_scatter", "all_gather", "none"])
+def test_collectives_on_their_groups(fake_world: int, dedicated: str) -> None:
+    groups = FsdpGroups.create(dedicated=dedicated)
+    graphs = capture(shard_blocks_then_root(Transformer(SMALL), groups), _tokens())
+    ag_name, rs_name = groups.all_gather.group_name, groups.reduce_scatter.group_name
+    assert (ag_name != rs_name) == (dedicated != "none")
+    fwd, bwd = graphs["forward"], graphs["backward"]
+    for gm in (fwd, bwd):
+        for node in collectives(gm):
+            expected = ag_name if is_all_gather(node) else rs_name
+            assert node.args[-1] == expected, (node.format_node(), expected)
+    assert not any(is_reduce_scatter(n) for n in fwd.graph.nodes)
+    n_params = sum(1 for _ in Transformer(SMALL).parameters())
+    assert sum(map(is_all_gather, fwd.graph.nodes)) > 0
+    assert sum(map(is_reduce_scatter, bwd.graph.nodes)) > 0
+    # every sharded param is reduced exactly once (the per-param lowering; buckets come later)
+    assert sum(map(is_reduce_scatter, bwd.graph.nodes)) <= n_params
+    groups.destroy()
+
+
+def test_forward_saves_shards_not_full_params(groups: FsdpGroups) -> None:
+    model = shard_blocks_then_root(Transformer(SMALL), groups)
+    graphs = capture(model, _tokens())
+    fwd, bwd = graphs["forward"], graphs["backward"]
+    (out,) = fwd.graph.find_nodes(op="output")
+    saved = [a for a in out.args[0][1:] if isinstance(a, torch.fx.Node)]
+    assert saved, "forward saves something for backward"
+    gathered = gathered_values(fwd)
+    assert not [n.name for n in saved if n in gathered], "a gathered param is saved for backward"
+    shards = {n for n in fwd.graph.find_nodes(op="placeholder")}
+    assert any(n in shards for n in saved), "the shards are what backward gathers again from"
+    # ... and backward gathers again (reshard after forward)
+    assert any(map(is_all_gather, bwd.graph.nodes))
+
+
+def test_reshard_false_keeps_gathered_params(groups: FsdpGroups) -> None:
+    model = shard_blocks_then_root(Transformer(SMALL), groups, reshard_after_forward=False)
+    graphs = capture(model, _tokens())
+    assert not any(map(is_all_gather, graphs["backward"].graph.nodes))
+
+
+def test_model_without_sharded_params_is_plain_inductor(fake_world: int) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    expected = model(x)
+    graphs = capture(model, x, inductor=True)
+    assert not any(collectives(gm) for gm in graphs.values())
+    out = torch.compile(model, backend=make_backend())(x)
+    torch.testing.assert_close(out, expected)

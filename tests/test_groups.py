@@ -1,0 +1,46 @@
+"""FsdpGroups makes its groups once per process, however many models use them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
+
+from fsdp_compile import FsdpGroups, fully_shard, make_backend
+from fsdp_compile.models import ModelConfig, Transformer
+
+CFG = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=16, max_seq_len=8)
+
+
+def _n_groups() -> int:
+    return len(_world.pg_map)
+
+
+@pytest.mark.parametrize("dedicated, expected", [("reduce_scatter", 2), ("all_gather", 2), ("none", 1)])
+def test_group_count_does_not_grow_with_models(fake_world: int, dedicated: str, expected: int) -> None:
+    groups = FsdpGroups.create(dedicated=dedicated)
+    assert _n_groups() == expected  # WORLD, plus the dedicated one
+    backend = make_backend(inductor=False)
+    for seed in range(3):
+        torch._dynamo.reset()
+        torch.manual_seed(seed)
+        model = Transformer(CFG)
+        for block in model.layers:
+            fully_shard(block, groups=groups)
+        fully_shard(model, groups=groups)
+        torch.compile(model, backend=backend)(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    assert _n_groups() == expected
+    groups.destroy()
+    assert _n_groups() == 1
+
+
+def test_conventions_pick_the_dedicated_group(fake_world: int) -> None:
+    rs = FsdpGroups.create(dedicated="reduce_scatter")
+    assert rs.all_gather is dist.group.WORLD and rs.reduce_scatter is not dist.group.WORLD
+    ag = FsdpGroups.create(dedicated="all_gather")
+    assert ag.reduce_scatter is dist.group.WORLD and ag.all_gather is not dist.group.WORLD
+    one = FsdpGroups.create(dedicated="none")
+    assert one.all_gather is one.reduce_scatter is dist.group.WORLD
+    for g in (rs, ag, one):
+        g.destroy()

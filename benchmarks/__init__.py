@@ -1,0 +1,1 @@
+"""Benchmark and measurement scripts for fsdp-compile (not part of the installed package)."""

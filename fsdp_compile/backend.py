@@ -30,7 +30,11 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.utils.checkpoint import CheckpointPolicy
 
 from passes import NamedPass, run_passes
+from passes.bucket import bucket_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
+from passes.prefetch import prefetch_pass
+from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
+from passes.streams import streams_pass
 from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
@@ -56,11 +60,27 @@ _VIEW_OPS = {
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """Settings of one backend made by :func:`make_backend`."""
+    """Settings of one backend made by :func:`make_backend` (see its docstring)."""
 
+    schedule: str = "eager"
+    prefetch: int = 1
+    prefetch_bytes: int | None = None
+    reduce_scatter_bytes: int | str | None = "auto"
     inductor: bool = True
     disabled_passes: tuple[str, ...] = ()
     log_pass_diffs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"make_backend: schedule={self.schedule!r}; use one of {SCHEDULES}")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+            raise ValueError(f"make_backend: prefetch={self.prefetch!r}; use an int >= 0 (units gathered ahead)")
+        for name in ("prefetch_bytes", "reduce_scatter_bytes"):
+            value = getattr(self, name)
+            if value is None or value == "auto" and name == "reduce_scatter_bytes":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"make_backend: {name}={value!r}; use a positive number of bytes or None")
 
 
 _graph_ids = itertools.count()
@@ -115,6 +135,12 @@ def _passes(options: BackendOptions) -> list[NamedPass]:
     return [
         NamedPass("lower_unshard", lower_unshard_pass),
         NamedPass("lower_reduce_grad", lower_reduce_grad_pass),
+        NamedPass("bucket", bucket_pass),
+        NamedPass("prefetch", functools.partial(prefetch_pass, depth=options.prefetch,
+                                                max_bytes=options.prefetch_bytes)),
+        NamedPass("reduce_scatter", functools.partial(reduce_scatter_pass, schedule=options.schedule,
+                                                      max_bytes=options.reduce_scatter_bytes)),
+        NamedPass("streams", streams_pass),
     ]
 
 
@@ -142,14 +168,38 @@ def _compile(
         )
 
 
-def make_backend(*, inductor: bool = True, disabled_passes: Sequence[str] = (), log_pass_diffs: bool = False) -> Any:
+def make_backend(
+    *,
+    schedule: str = "eager",
+    prefetch: int = 1,
+    prefetch_bytes: int | None = None,
+    reduce_scatter_bytes: int | str | None = "auto",
+    inductor: bool = True,
+    disabled_passes: Sequence[str] = (),
+    log_pass_diffs: bool = False,
+) -> Any:
     """A ``torch.compile`` backend for models prepared with ``fully_shard``.
 
-    ``inductor=False`` runs the lowered, scheduled FX graphs without Inductor (for debugging).
+    ``schedule``: ``"eager"`` launches each unit's reduce-scatter as soon as its gradients exist (use
+    with the dedicated reduce-scatter communicator of ``FsdpGroups``); ``"delayed"`` holds it until the
+    next unit's backward all-gather is issued (the baseline, meant for ``dedicated="none"``).
+    ``prefetch``: units whose all-gather is issued ahead of use (0: none).
+    ``prefetch_bytes``: cap on bytes gathered but not yet used (``None``: only ``prefetch`` bounds it).
+    ``reduce_scatter_bytes``: cap on reduce-scatter input bytes in flight; ``"auto"`` (default) keeps
+    about two buckets in flight; ``None`` lets every wait sink to the end of backward.
+    ``inductor=False`` runs the scheduled FX graphs without Inductor (for debugging).
     ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
+    Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
+    sharded with.
     """
     options = BackendOptions(
-        inductor=inductor, disabled_passes=tuple(disabled_passes), log_pass_diffs=log_pass_diffs
+        schedule=schedule,
+        prefetch=prefetch,
+        prefetch_bytes=prefetch_bytes,
+        reduce_scatter_bytes=reduce_scatter_bytes,
+        inductor=inductor,
+        disabled_passes=tuple(disabled_passes),
+        log_pass_diffs=log_pass_diffs,
     )
     compile_fw = functools.partial(_compile, options=options, is_backward=False, is_inference=False)
     compile_bw = functools.partial(_compile, options=options, is_backward=True, is_inference=False)

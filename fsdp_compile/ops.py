@@ -107,6 +107,7 @@ def _unshard_backward(ctx: object, grad: Tensor) -> tuple:
         world_size,
         unit,
         name,
+        ag_group,
         rs_group,
         replicate_group,
         replicate_size,
@@ -131,6 +132,7 @@ def reduce_grad(
     world_size: int,
     unit: int,
     name: str,
+    ag_group: str,
     rs_group: str,
     replicate_group: str,
     replicate_size: int,
@@ -141,7 +143,8 @@ def reduce_grad(
 
     The gradient is cast to ``reduce_dtype`` (when given), padded to ``world_size`` shards, summed with
     a reduce-scatter on ``rs_group``, all-reduced over ``replicate_group`` when one is named (HSDP),
-    divided by the number of data-parallel ranks and cast to ``out_dtype``.
+    divided by the number of data-parallel ranks and cast to ``out_dtype``. ``ag_group`` only tells
+    the passes whether the two collectives share a communicator.
     """
     _warn_slow_path()
     g = grad if reduce_dtype is None else grad.to(reduce_dtype)

@@ -52,11 +52,14 @@ def lower_unshard_pass(gm: fx.GraphModule) -> fx.GraphModule:
         def gather(shard: Tensor, a: UnshardArgs = a, dim0: int = dim0) -> Tensor:
             x = shard if a.param_dtype is None else shard.to(a.param_dtype)
             full = gather_flat(x.reshape(-1), a.world_size, a.ag_group)
-            rows = full.view(-1, *x.shape[1:]) if x.dim() > 0 else full
-            return rows[:dim0].reshape(a.full_shape)
+            rows = full.view(-1, *x.shape[1:])
+            if rows.shape[0] != dim0:  # padding (see NOTE [padding])
+                rows = rows[:dim0]
+            return rows.reshape(a.full_shape)
 
         (out,) = splice(gm.graph, gather, [a.shard], before=node,
-                        meta={"unit": a.unit, "param": a.name, "kind": "all_gather", "group": a.ag_group})
+                        meta={"unit": a.unit, "param": a.name, "kind": "all_gather",
+                              "ag_group": a.ag_group, "rs_group": a.rs_group})
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm
@@ -73,7 +76,9 @@ def lower_reduce_grad_pass(gm: fx.GraphModule) -> fx.GraphModule:
             return reduce_flat(grad.reshape(-1), a)
 
         (out,) = splice(gm.graph, reduce, [a.grad], before=node,
-                        meta={"unit": a.unit, "param": a.name, "kind": "reduce_scatter", "group": a.rs_group})
+                        meta={"unit": a.unit, "param": a.name, "kind": "reduce_scatter",
+                              "ag_group": a.ag_group, "rs_group": a.rs_group,
+                              "replicate_group": a.replicate_group})
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm

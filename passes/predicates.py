@@ -140,6 +140,7 @@ class ReduceGradArgs:
     world_size: int
     unit: int
     name: str
+    ag_group: str
     rs_group: str
     replicate_group: str
     replicate_size: int

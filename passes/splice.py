@@ -31,10 +31,12 @@ def splice(
     *,
     before: fx.Node,
     meta: dict[str, object] | None = None,
+    inserted: list[fx.Node] | None = None,
 ) -> list[fx.Node]:
     """Insert ``fn(*inputs)`` before ``before``; return the nodes of its (flattened) outputs.
 
-    Every inserted node gets ``meta["fsdp"]`` updated with ``meta`` (unit, kind, ...).
+    Every inserted node gets ``meta["fsdp"]`` updated with ``meta`` (unit, kind, ...); when
+    ``inserted`` is given, the new nodes are appended to it in graph order.
     """
     vals = [n.meta["val"] for n in inputs]
     mode = _fake_mode(vals)
@@ -60,5 +62,7 @@ def splice(
             new = graph.node_copy(node, lambda n: env[n])
             if meta:
                 new.meta.setdefault("fsdp", {}).update(meta)
+            if inserted is not None:
+                inserted.append(new)
             env[node] = new
     return outputs

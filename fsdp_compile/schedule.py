@@ -1,0 +1,163 @@
+"""Read a scheduled graph: a compact listing of its collectives, waits and compute, in order.
+
+``listing(gm, groups={"0": "ag", "1": "rs"})`` gives one line per collective launch and wait, and one
+line per run of compute between them (the main ops named, views and copies counted), e.g.::
+
+    0  all_gather      unit 0  ag  all_gather       288 B
+    1  all_gather      unit 1  ag  all_gather       288 B
+    2  wait            unit 0  ag  all_gather
+    3  compute         addmm relu  (9 nodes)
+
+The tests snapshot it; ``explain`` adds estimated times to the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from passes.predicates import fsdp_meta, is_collective, is_wait, tensor_bytes, waited_collective
+from passes.regions import Region, regions
+
+__all__ = ["Row", "rows", "listing"]
+
+# Ops that move or relabel data rather than compute: counted in a compute run, not named.
+_QUIET = {
+    "view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "slice", "select", "alias",
+    "split_with_sizes", "split", "getitem", "clone", "cat", "constant_pad_nd", "convert_element_type",
+    "_to_copy", "squeeze", "unsqueeze", "as_strided", "scalar_tensor", "detach", "copy", "full", "zeros",
+    "empty", "new_zeros",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a listing: a launch, a wait, or a run of compute nodes."""
+
+    op: str  # collective kind ("all_gather", ...), "wait", "pack", "unpack" or "compute"
+    nodes: tuple[fx.Node, ...]
+    unit: object = None
+    group: str = ""
+    stream: str = ""
+    bytes: int = 0
+
+    @property
+    def detail(self) -> str:
+        if self.op != "compute":
+            return ""
+        names = []
+        for n in self.nodes:
+            name = _op_name(n)
+            if name not in _QUIET and name not in names:
+                names.append(name)
+        return " ".join(names)
+
+
+def _op_name(n: fx.Node) -> str:
+    if n.target is __import__("operator").getitem:
+        return "getitem"
+    packet = getattr(n.target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(n.target, "__name__", str(n.target))
+
+
+def _collective_kind(n: fx.Node) -> str:
+    name = _op_name(n)
+    return {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}.get(name, name)
+
+
+def _full_bytes(launch: fx.Node) -> int:
+    """Bytes of the full (unsharded) buffer: an all-gather's output, a reduce-scatter's input."""
+    wait = next((u for u in launch.users if is_wait(u)), None)
+    inp = launch.args[0]
+    assert isinstance(inp, fx.Node)
+    return max(tensor_bytes(inp), tensor_bytes(wait) if wait is not None else 0)
+
+
+def rows(gm: fx.GraphModule) -> list[Row]:
+    """The schedule of ``gm`` as rows, in graph order.
+
+    Consecutive nodes of one kind merge into one row: ``compute`` (untagged nodes), ``pack`` (a
+    region's prologue: casts, flattening, padding, concatenation) and ``unpack`` (its epilogue:
+    split, copy-out, narrowing, averaging).
+    """
+    role: dict[fx.Node, tuple[str, Region]] = {}
+    for r in regions(gm):
+        role.update({n: ("pack", r) for n in r.prologue})
+        role.update({n: ("unpack", r) for n in r.epilogue})
+    out: list[Row] = []
+    run: list[fx.Node] = []
+    run_key: tuple[str, object] | None = None
+
+    def flush() -> None:
+        nonlocal run_key
+        if run:
+            op, region = run_key  # type: ignore[misc]
+            if region is None:
+                out.append(Row(op, tuple(run), stream="compute"))
+            else:
+                out.append(Row(op, tuple(run), region.unit, region.group, "compute"))
+            run.clear()
+        run_key = None
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        meta = fsdp_meta(n)
+        if is_collective(n) or is_wait(n):
+            flush()
+            if is_collective(n):
+                out.append(Row(_collective_kind(n), (n,), meta.get("unit"), str(n.args[-1]),
+                               str(meta.get("stream", "")), _full_bytes(n)))
+            else:
+                launch = waited_collective(n)
+                out.append(Row("wait", (n,), fsdp_meta(launch).get("unit"), str(launch.args[-1]),
+                               str(meta.get("waits_on", ""))))
+            continue
+        op, region = role.get(n, ("compute", None))
+        key = (op, id(region))
+        if run_key is not None and run_key[1] is not None and (run_key[0], id(run_key[1])) != key:
+            flush()
+        elif run_key is not None and run_key[1] is None and region is not None:
+            flush()
+        run_key = (op, region)
+        run.append(n)
+    flush()
+    return out
+
+
+def listing(gm: fx.GraphModule, groups: Mapping[str, str] | None = None) -> str:
+    """A compact, stable text listing of ``gm``'s schedule (see module doc).
+
+    ``groups`` maps process-group names to labels (group names differ between runs; labels don't).
+    """
+    labels = dict(groups or {})
+    lines = []
+    for i, r in enumerate(rows(gm)):
+        group = labels.get(r.group, r.group)
+        if r.op == "compute":
+            lines.append(f"{i:<3}{'compute':<16}{r.detail}  ({len(r.nodes)} nodes)".rstrip())
+        else:
+            unit = f"unit {r.unit}" if r.unit is not None else ""
+            size = f"{r.bytes} B" if r.bytes else ""
+            stream = "" if r.op in ("pack", "unpack") else r.stream
+            lines.append(f"{i:<3}{r.op:<16}{unit:<8}{group:<7}{stream:<16}{size}".rstrip())
+    return "\n".join(lines)
+
+
+def group_labels(groups: object) -> dict[str, str]:
+    """Labels for an ``FsdpGroups``: ``ag`` and ``rs``, or ``ag+rs`` when they share a communicator."""
+    ag = groups.all_gather.group_name  # type: ignore[attr-defined]
+    rs = groups.reduce_scatter.group_name  # type: ignore[attr-defined]
+    labels = {ag: "ag", rs: "rs"} if ag != rs else {ag: "ag+rs"}
+    replicate = getattr(groups, "replicate", None)
+    if replicate is not None:
+        labels[replicate.group_name] = "rep"
+    return labels
+
+
+_ = torch  # the fake values read by tensor_bytes are torch tensors

@@ -1,0 +1,120 @@
+"""Bucket per unit: one all-gather and one reduce-scatter per unit per graph.
+
+Before (after ``lower``), one collective per parameter::
+
+    x_i -> all_gather_into_tensor -> wait_tensor -> (W * n_i,)        for each param i of the unit
+
+After, one collective per (unit, group, dtype), packed and unpacked around it::
+
+    cat(x_1..x_k) -> all_gather_into_tensor -> wait_tensor -> view(W, N)[:, off_i : off_i + n_i]
+
+and for gradients (each ``g_i`` already padded to ``W * m_i``)::
+
+    cat(g_i.view(W, m_i) for i, dim=1) -> reduce_scatter_tensor -> wait_tensor -> [off_i : off_i + m_i]
+
+Only collectives of one group, one dtype and one world size share a bucket, and members are packed in
+graph order, which is the same on every rank. The bucket is placed where its first member was (an
+all-gather) or where its last member was (a reduce-scatter); ``order.reorder`` then makes the graph
+legal again, moving each member's consumers after the bucket's wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, fx
+
+from .order import reorder
+from .predicates import fsdp_meta, is_all_gather, is_reduce_scatter, wait_of
+from .splice import splice
+
+__all__ = ["bucket_pass"]
+
+c10d = torch.ops._c10d_functional
+
+
+def _bucket_key(launch: fx.Node) -> tuple:
+    meta = fsdp_meta(launch)
+    val = launch.args[0].meta["val"]  # type: ignore[union-attr]
+    return (meta.get("unit"), launch.args[-1], val.dtype, launch.args[-2])
+
+
+def _groups(gm: fx.GraphModule, match: Callable[[fx.Node], bool]) -> list[list[fx.Node]]:
+    buckets: dict[tuple, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if match(node) and fsdp_meta(node).get("unit") is not None:
+            buckets.setdefault(_bucket_key(node), []).append(node)
+    return list(buckets.values())
+
+
+def _gather_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[..., list[Tensor]]:
+    def fn(*flats: Tensor) -> list[Tensor]:
+        packed = torch.cat(flats)
+        out = c10d.wait_tensor(c10d.all_gather_into_tensor(packed, world, group))
+        rows = out.view(world, -1)
+        return [t.reshape(-1) for t in rows.split(list(sizes), dim=1)]
+
+    return fn
+
+
+def _scatter_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[..., list[Tensor]]:
+    def fn(*flats: Tensor) -> list[Tensor]:
+        packed = torch.cat([f.view(world, -1) for f in flats], dim=1).reshape(-1)
+        out = c10d.wait_tensor(c10d.reduce_scatter_tensor(packed, "sum", world, group))
+        return list(out.split(list(sizes)))
+
+    return fn
+
+
+def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: dict[fx.Node, fx.Node]) -> None:
+    waits = [wait_of(m) for m in members]
+    inputs = [m.args[0] for m in members]
+    assert all(isinstance(i, fx.Node) for i in inputs)
+    world, group = int(members[0].args[-2]), str(members[0].args[-1])  # type: ignore[arg-type]
+    sizes = [int(i.meta["val"].numel()) // (1 if gather else world) for i in inputs]  # type: ignore[union-attr]
+    meta = dict(fsdp_meta(members[0]))
+    meta.pop("param", None)
+    meta["params"] = [fsdp_meta(m).get("param") for m in members]
+    make = _gather_bucket if gather else _scatter_bucket
+    # An all-gather goes where its first member was; a reduce-scatter where its last one was, which
+    # is after all its inputs (each member came right after its own input).
+    anchor = members[0] if gather else members[-1]
+    new_nodes: list[fx.Node] = []
+    outs = splice(gm.graph, make(world, group, sizes), inputs, before=anchor, meta=meta,  # type: ignore[arg-type]
+                  inserted=new_nodes)
+    if gather:
+        # The inputs (casts and views of graph inputs) move up with the bucket.
+        for inp in inputs:
+            for n in _ancestors(inp):  # type: ignore[arg-type]
+                hoist.setdefault(n, new_nodes[0])
+    for wait, out in zip(waits, outs):
+        wait.replace_all_uses_with(out)
+    for wait, member in zip(waits, members):
+        gm.graph.erase_node(wait)
+        gm.graph.erase_node(member)
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    seen: dict[fx.Node, None] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "placeholder":
+            continue
+        seen[n] = None
+        stack.extend(n.all_input_nodes)
+    return list(seen)
+
+
+def bucket_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Merge each unit's per-parameter all-gathers, and reduce-scatters, into one collective each."""
+    hoist: dict[fx.Node, fx.Node] = {}
+    for members in _groups(gm, is_all_gather):
+        if len(members) > 1:
+            _merge(gm, members, gather=True, hoist=hoist)
+    for members in _groups(gm, is_reduce_scatter):
+        if len(members) > 1:
+            _merge(gm, members, gather=False, hoist=hoist)
+    reorder(gm.graph, before=hoist)
+    return gm

@@ -1,0 +1,57 @@
+"""Prefetch all-gathers: issue unit k+d's all-gather before unit k's compute, wait just before use.
+
+Units are taken in the order their gathered params are first used, which is forward order in the
+forward graph and reverse order in the backward graph, so one rule serves both::
+
+    before:  [AG0 wait0] use0 ... [AG1 wait1] use1 ... [AG2 wait2] use2
+    depth 1: AG0 AG1 wait0 use0 ... AG2 wait1 use1 ... wait2 use2
+
+``max_bytes`` caps the bytes gathered but not yet used (all-gather outputs issued whose first use has
+not come): a unit that would pass it is issued later (smaller depth for that unit), never earlier
+than depth 0. A single bucket larger than the cap still runs, at depth 0. Launches keep the order of
+first use, so on one communicator no all-gather queues behind one needed later.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from .order import positions, reorder
+from .regions import Region, regions
+
+__all__ = ["prefetch_pass"]
+
+
+def prefetch_pass(gm: fx.GraphModule, *, depth: int = 1, max_bytes: int | None = None) -> fx.GraphModule:
+    """Move each all-gather region's launch ``depth`` units ahead of its first use (see module doc)."""
+    if depth < 0:
+        raise ValueError(f"prefetch_pass: depth must be >= 0, got {depth}")
+    gathers = [r for r in regions(gm, "all_gather") if r.users]
+    if not gathers:
+        return gm
+    index = positions(gm.graph)
+    first_use = {id(r): min(index[u] for u in r.users) for r in gathers}
+    order = sorted(gathers, key=lambda r: first_use[id(r)])
+    keys: dict[fx.Node, float] = {}
+    last_target = -1.0
+    for i, r in enumerate(order):
+        d = min(depth, i)
+        while d > 0 and _in_flight(order, i, d) > (max_bytes if max_bytes is not None else float("inf")):
+            d -= 1
+        # Before the compute of the unit d places earlier; never before an earlier unit's launch.
+        target = max(first_use[id(order[i - d])], last_target)
+        last_target = target
+        _place(keys, [*r.prologue, r.launch], target - 0.5 + i * 1e-3)
+        _place(keys, [r.wait, *r.epilogue], first_use[id(r)] - 0.25)
+    reorder(gm.graph, keys)
+    return gm
+
+
+def _in_flight(order: list[Region], i: int, d: int) -> int:
+    """Output bytes gathered and not yet used when unit ``i`` is issued ``d`` units early."""
+    return sum(r.out_bytes for r in order[i - d: i + 1])
+
+
+def _place(keys: dict[fx.Node, float], nodes: list[fx.Node], key: float) -> None:
+    for j, n in enumerate(nodes):
+        keys[n] = key + j * 1e-6

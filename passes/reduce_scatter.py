@@ -1,0 +1,80 @@
+"""Reduce-scatter scheduling: launch as soon as a unit's gradients exist, wait as late as memory allows.
+
+``schedule="eager"`` (the seed's change): each reduce-scatter region (pack, launch) goes right after the
+last node that produces one of its gradients; its wait (and unpack) sinks to just before the graph's
+outputs, all remaining waits together: the one end-of-backward barrier the optimizer orders after::
+
+    grads of unit 2 -> RS2 | grads of unit 1 -> RS1 | grads of unit 0 -> RS0 | wait2 wait1 wait0 -> outputs
+
+An unwaited reduce-scatter keeps its input, a full-size gradient bucket, alive. ``max_bytes`` caps the
+input bytes in flight: before a launch that would pass it, the oldest waits are pulled in, just before
+that launch. A single bucket larger than the cap still runs, alone in flight.
+
+``schedule="delayed"`` (the seed's baseline, meant for one communicator): a unit's reduce-scatter is
+held back until the next unit's backward begins (just before the first use of the next all-gather's
+params, so after that all-gather was issued and waited), as eager FSDP's pre-backward hook flushes
+pending reductions; after the last unit it goes to the end of backward. Waits are placed the same way
+in both schedules.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from .order import positions, reorder
+from .regions import regions
+
+__all__ = ["reduce_scatter_pass"]
+
+SCHEDULES = ("eager", "delayed")
+
+
+def reduce_scatter_pass(
+    gm: fx.GraphModule, *, schedule: str = "eager", max_bytes: int | str | None = "auto"
+) -> fx.GraphModule:
+    """Place reduce-scatter launches and waits (see module doc).
+
+    ``max_bytes``: the cap on input bytes in flight; ``None`` for no cap; ``"auto"`` for twice the
+    largest bucket of this graph (a launch may overlap the previous one, no more).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"reduce_scatter_pass: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    scatters = regions(gm, "reduce_scatter")
+    if not scatters:
+        return gm
+    if max_bytes == "auto":
+        max_bytes = 2 * max(r.in_bytes for r in scatters)
+    elif isinstance(max_bytes, str):
+        raise ValueError(f"reduce_scatter_pass: max_bytes must be an int, None or 'auto', got {max_bytes!r}")
+    index = positions(gm.graph)
+    end = float(len(index))
+    ready = {id(r): max((index[i] for i in r.inputs), default=0) for r in scatters}
+    gather_uses = sorted(min(index[u] for u in r.users) for r in regions(gm, "all_gather") if r.users)
+    order = sorted(scatters, key=lambda r: ready[id(r)])
+    keys: dict[fx.Node, float] = {}
+    in_flight: list[tuple[int, list[fx.Node]]] = []  # (input bytes, [wait, *epilogue]) by launch
+    cap = float("inf") if max_bytes is None else max_bytes
+    for i, r in enumerate(order):
+        launch_at = ready[id(r)] + 0.5
+        if schedule == "delayed":
+            # Held until the next unit's backward starts (its gathered params' first use), or to
+            # the end of the graph when no unit follows.
+            later = [p for p in gather_uses if p > ready[id(r)]]
+            launch_at = later[0] - 0.1 if later else end - 0.5
+        launch_at += i * 1e-3
+        while in_flight and sum(b for b, _ in in_flight) + r.in_bytes > cap:
+            _, waiting = in_flight.pop(0)
+            _place(keys, waiting, launch_at - 0.25)
+        _place(keys, [*r.prologue, r.launch], launch_at)
+        in_flight.append((r.in_bytes, [r.wait, *r.epilogue]))
+    # The rest wait together right before the outputs: first every wait, then every unpack.
+    for j, (_, waiting) in enumerate(in_flight):
+        keys[waiting[0]] = end + j * 1e-3
+        _place(keys, waiting[1:], end + 1 + j * 1e-3)
+    reorder(gm.graph, keys)
+    return gm
+
+
+def _place(keys: dict[fx.Node, float], nodes: list[fx.Node], key: float) -> None:
+    for j, n in enumerate(nodes):
+        keys[n] = key + j * 1e-6

@@ -67,6 +67,7 @@ class BackendOptions:
     prefetch_bytes: int | None = None
     reduce_scatter_bytes: int | str | None = "auto"
     inductor: bool = True
+    pin_order: bool = True
     disabled_passes: tuple[str, ...] = ()
     log_pass_diffs: bool = False
 
@@ -158,7 +159,12 @@ def _compile(
         observer(kind, gm)
     if not options.inductor:
         return make_boxed_func(gm.forward)
-    with torch._inductor.config.patch(reorder_for_peak_memory=False):
+    # NOTE [pinning the schedule]: Inductor's memory-driven reordering moves collectives back next to
+    # their waits (prefetches sink, reduce-scatter waits rise), undoing the schedule. With it off, the
+    # generated code issues collectives and waits in the FX order (tests/test_schedules.py checks
+    # the emitted code). Patched per compile, never globally.
+    patches = {"reorder_for_peak_memory": False} if options.pin_order else {}
+    with torch._inductor.config.patch(patches):
         return compile_fx_inner(
             gm,
             example_inputs,
@@ -175,6 +181,7 @@ def make_backend(
     prefetch_bytes: int | None = None,
     reduce_scatter_bytes: int | str | None = "auto",
     inductor: bool = True,
+    pin_order: bool = True,
     disabled_passes: Sequence[str] = (),
     log_pass_diffs: bool = False,
 ) -> Any:
@@ -188,6 +195,7 @@ def make_backend(
     ``reduce_scatter_bytes``: cap on reduce-scatter input bytes in flight; ``"auto"`` (default) keeps
     about two buckets in flight; ``None`` lets every wait sink to the end of backward.
     ``inductor=False`` runs the scheduled FX graphs without Inductor (for debugging).
+    ``pin_order=False`` lets Inductor reorder collectives by its own memory heuristics (for comparison).
     ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
@@ -198,6 +206,7 @@ def make_backend(
         prefetch_bytes=prefetch_bytes,
         reduce_scatter_bytes=reduce_scatter_bytes,
         inductor=inductor,
+        pin_order=pin_order,
         disabled_passes=tuple(disabled_passes),
         log_pass_diffs=log_pass_diffs,
     )

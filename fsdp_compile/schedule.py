@@ -13,16 +13,16 @@ The tests snapshot it; ``explain`` adds estimated times to the same rows.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 from torch import fx
 
 from passes.predicates import fsdp_meta, is_collective, is_wait, tensor_bytes, waited_collective
 from passes.regions import Region, regions
 
-__all__ = ["Row", "rows", "listing"]
+__all__ = ["Row", "rows", "listing", "in_flight_peaks", "group_labels"]
 
 # Ops that move or relabel data rather than compute: counted in a compute run, not named.
 _QUIET = {
@@ -57,7 +57,7 @@ class Row:
 
 
 def _op_name(n: fx.Node) -> str:
-    if n.target is __import__("operator").getitem:
+    if n.target is operator.getitem:
         return "getitem"
     packet = getattr(n.target, "overloadpacket", None)
     if packet is not None:
@@ -149,6 +149,32 @@ def listing(gm: fx.GraphModule, groups: Mapping[str, str] | None = None) -> str:
     return "\n".join(lines)
 
 
+def in_flight_peaks(gm: fx.GraphModule) -> dict[str, int]:
+    """Peak bytes in flight along ``gm``'s order, as the byte caps count them.
+
+    ``all_gather``: outputs of all-gathers launched whose gathered params are not used yet.
+    ``reduce_scatter``: inputs of reduce-scatters launched and not waited yet.
+    """
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    events: dict[str, list[tuple[int, int]]] = {"all_gather": [], "reduce_scatter": []}
+    for r in regions(gm):
+        if r.kind == "all_gather" and r.users:
+            start, stop, size = index[r.launch], min(index[u] for u in r.users), r.out_bytes
+        elif r.kind == "reduce_scatter":
+            start, stop, size = index[r.launch], index[r.wait], r.in_bytes
+        else:
+            continue
+        events[r.kind] += [(start, size), (stop, -size)]
+    peaks = {}
+    for kind, evs in events.items():
+        live = peak = 0
+        for _, delta in sorted(evs, key=lambda e: (e[0], e[1])):  # a release before a launch at one index
+            live += delta
+            peak = max(peak, live)
+        peaks[kind] = peak
+    return peaks
+
+
 def group_labels(groups: object) -> dict[str, str]:
     """Labels for an ``FsdpGroups``: ``ag`` and ``rs``, or ``ag+rs`` when they share a communicator."""
     ag = groups.all_gather.group_name  # type: ignore[attr-defined]
@@ -159,5 +185,3 @@ def group_labels(groups: object) -> dict[str, str]:
         labels[replicate.group_name] = "rep"
     return labels
 
-
-_ = torch  # the fake values read by tensor_bytes are torch tensors

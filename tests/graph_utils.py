@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -68,4 +69,4 @@ def _is_view(n: fx.Node) -> bool:
         torch.ops.aten.t, torch.ops.aten._unsafe_view, torch.ops.aten.expand, torch.ops.aten.clone,
         torch.ops.aten.split_with_sizes, torch.ops.aten.select, torch.ops.prims.convert_element_type,
         torch.ops.aten._to_copy, torch.ops.aten.as_strided,
-    } or n.target is __import__("operator").getitem
+    } or n.target is operator.getitem

@@ -1,0 +1,353 @@
+"""Schedules, pinned: forward and backward of a 3-unit model at world size 2 on a fake process group.
+
+Each test compiles ``ThreeUnits`` (three ``Linear(8, 8)`` blocks, each its own unit; the root holds no
+params) and snapshots the compact listing of the graphs handed to Inductor. Group names are replaced
+by labels: ``ag`` (all-gather group), ``rs`` (reduce-scatter group), ``ag+rs`` (one shared group).
+Run with ``EXPECTTEST_ACCEPT=1`` to update the snapshots after an intended change, then read the diff.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from expecttest import TestCase
+from torch._inductor.utils import run_and_get_code
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile.backend import observe_graphs
+from fsdp_compile.schedule import group_labels, listing, rows
+from passes.predicates import is_all_gather, waited_collective
+
+from .graph_utils import ThreeUnits, capture, shard_blocks_then_root
+
+
+class ScheduleTest(TestCase):
+    def setUp(self) -> None:
+        torch._dynamo.reset()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+
+    def schedule(self, dedicated: str = "reduce_scatter", **backend_kw: Any) -> tuple[str, str]:
+        groups = FsdpGroups.create(dedicated=dedicated)
+        torch.manual_seed(0)
+        graphs = capture(shard_blocks_then_root(ThreeUnits(), groups), torch.randn(4, 8), **backend_kw)
+        labels = group_labels(groups)
+        return listing(graphs["forward"], labels), listing(graphs["backward"], labels)
+
+    def test_default(self) -> None:
+        fwd, bwd = self.schedule()
+        # Forward: unit 1's all-gather is issued before unit 0's compute (prefetch 1) and each wait sits
+        # just before its unit's compute; the all-gathers run on the all-gather stream.
+        self.assertExpectedInline(fwd, """\
+0  pack            unit 0  ag
+1  all_gather      unit 0  ag     all_gather      288 B
+2  pack            unit 1  ag
+3  all_gather      unit 1  ag     all_gather      288 B
+4  wait            unit 0  ag     all_gather
+5  unpack          unit 0  ag
+6  compute         addmm relu  (3 nodes)
+7  pack            unit 2  ag
+8  all_gather      unit 2  ag     all_gather      288 B
+9  wait            unit 1  ag     all_gather
+10 unpack          unit 1  ag
+11 compute         addmm relu  (3 nodes)
+12 wait            unit 2  ag     all_gather
+13 unpack          unit 2  ag
+14 compute         addmm relu le  (6 nodes)""")
+        # Backward: the gathers again (reshard after forward; unit 0's weight is not needed: its input
+        # needs no grad), unit 1 prefetched under unit 2's compute. Each reduce-scatter is issued right
+        # after the unit's last gradient, on its own stream; with the default cap (two buckets) the
+        # first wait is pulled in before the third launch; the rest wait together before the outputs.
+        self.assertExpectedInline(bwd, """\
+0  compute         where  (2 nodes)
+1  pack            unit 2  ag
+2  all_gather      unit 2  ag     all_gather      256 B
+3  pack            unit 1  ag
+4  all_gather      unit 1  ag     all_gather      256 B
+5  wait            unit 2  ag     all_gather
+6  unpack          unit 2  ag
+7  compute         mm sum  (9 nodes)
+8  pack            unit 2  rs
+9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
+10 compute         le where  (4 nodes)
+11 wait            unit 1  ag     all_gather
+12 unpack          unit 1  ag
+13 compute         mm sum  (9 nodes)
+14 pack            unit 1  rs
+15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+16 compute         le where mm sum  (10 nodes)
+17 wait            unit 2  rs     reduce_scatter
+18 unpack          unit 2  rs
+19 pack            unit 0  rs
+20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+21 wait            unit 1  rs     reduce_scatter
+22 wait            unit 0  rs     reduce_scatter
+23 unpack          unit 1  rs
+24 unpack          unit 0  rs""")
+
+    def test_delayed_one_communicator(self) -> None:
+        fwd, bwd = self.schedule(dedicated="none", schedule="delayed")
+        # The seed's baseline: one communicator ("comm" stream). Unit 2's reduce-scatter is held until
+        # unit 1's backward begins (after unit 1's all-gather was waited); the others go to the end.
+        self.assertExpectedInline(bwd, """\
+0  compute         where  (2 nodes)
+1  pack            unit 2  ag+rs
+2  all_gather      unit 2  ag+rs  comm            256 B
+3  pack            unit 1  ag+rs
+4  all_gather      unit 1  ag+rs  comm            256 B
+5  wait            unit 2  ag+rs  comm
+6  unpack          unit 2  ag+rs
+7  compute         mm sum le where  (13 nodes)
+8  wait            unit 1  ag+rs  comm
+9  unpack          unit 1  ag+rs
+10 pack            unit 2  ag+rs
+11 reduce_scatter  unit 2  ag+rs  comm            288 B
+12 compute         mm sum le where  (19 nodes)
+13 wait            unit 2  ag+rs  comm
+14 unpack          unit 2  ag+rs
+15 pack            unit 1  ag+rs
+16 reduce_scatter  unit 1  ag+rs  comm            288 B
+17 pack            unit 0  ag+rs
+18 reduce_scatter  unit 0  ag+rs  comm            288 B
+19 wait            unit 1  ag+rs  comm
+20 wait            unit 0  ag+rs  comm
+21 unpack          unit 1  ag+rs
+22 unpack          unit 0  ag+rs""")
+
+    def test_dedicated_all_gather(self) -> None:
+        fwd, bwd = self.schedule(dedicated="all_gather")
+        # The other convention: the all-gathers get the dedicated group (still "ag"), reduce-scatters
+        # stay on the base group ("rs"); the schedule is the same as the default.
+        self.assertExpectedInline(bwd, """\
+0  compute         where  (2 nodes)
+1  pack            unit 2  ag
+2  all_gather      unit 2  ag     all_gather      256 B
+3  pack            unit 1  ag
+4  all_gather      unit 1  ag     all_gather      256 B
+5  wait            unit 2  ag     all_gather
+6  unpack          unit 2  ag
+7  compute         mm sum  (9 nodes)
+8  pack            unit 2  rs
+9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
+10 compute         le where  (4 nodes)
+11 wait            unit 1  ag     all_gather
+12 unpack          unit 1  ag
+13 compute         mm sum  (9 nodes)
+14 pack            unit 1  rs
+15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+16 compute         le where mm sum  (10 nodes)
+17 wait            unit 2  rs     reduce_scatter
+18 unpack          unit 2  rs
+19 pack            unit 0  rs
+20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+21 wait            unit 1  rs     reduce_scatter
+22 wait            unit 0  rs     reduce_scatter
+23 unpack          unit 1  rs
+24 unpack          unit 0  rs""")
+
+    def test_prefetch_0(self) -> None:
+        fwd, bwd = self.schedule(prefetch=0)
+        # No prefetch: every all-gather is issued right before its wait: nothing overlaps it.
+        self.assertExpectedInline(fwd, """\
+0  pack            unit 0  ag
+1  all_gather      unit 0  ag     all_gather      288 B
+2  wait            unit 0  ag     all_gather
+3  unpack          unit 0  ag
+4  compute         addmm relu  (3 nodes)
+5  pack            unit 1  ag
+6  all_gather      unit 1  ag     all_gather      288 B
+7  wait            unit 1  ag     all_gather
+8  unpack          unit 1  ag
+9  compute         addmm relu  (3 nodes)
+10 pack            unit 2  ag
+11 all_gather      unit 2  ag     all_gather      288 B
+12 wait            unit 2  ag     all_gather
+13 unpack          unit 2  ag
+14 compute         addmm relu le  (6 nodes)""")
+        self.assertExpectedInline(bwd, """\
+0  compute         where  (2 nodes)
+1  pack            unit 2  ag
+2  all_gather      unit 2  ag     all_gather      256 B
+3  wait            unit 2  ag     all_gather
+4  unpack          unit 2  ag
+5  compute         mm sum  (9 nodes)
+6  pack            unit 2  rs
+7  reduce_scatter  unit 2  rs     reduce_scatter  288 B
+8  compute         le where  (4 nodes)
+9  pack            unit 1  ag
+10 all_gather      unit 1  ag     all_gather      256 B
+11 wait            unit 1  ag     all_gather
+12 unpack          unit 1  ag
+13 compute         mm sum  (9 nodes)
+14 pack            unit 1  rs
+15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+16 compute         le where mm sum  (10 nodes)
+17 wait            unit 2  rs     reduce_scatter
+18 unpack          unit 2  rs
+19 pack            unit 0  rs
+20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+21 wait            unit 1  rs     reduce_scatter
+22 wait            unit 0  rs     reduce_scatter
+23 unpack          unit 1  rs
+24 unpack          unit 0  rs""")
+
+    def test_prefetch_2(self) -> None:
+        fwd, bwd = self.schedule(prefetch=2)
+        # Depth 2: all three forward all-gathers are issued before unit 0's compute.
+        self.assertExpectedInline(fwd, """\
+0  pack            unit 0  ag
+1  all_gather      unit 0  ag     all_gather      288 B
+2  pack            unit 1  ag
+3  all_gather      unit 1  ag     all_gather      288 B
+4  pack            unit 2  ag
+5  all_gather      unit 2  ag     all_gather      288 B
+6  wait            unit 0  ag     all_gather
+7  unpack          unit 0  ag
+8  compute         addmm relu  (3 nodes)
+9  wait            unit 1  ag     all_gather
+10 unpack          unit 1  ag
+11 compute         addmm relu  (3 nodes)
+12 wait            unit 2  ag     all_gather
+13 unpack          unit 2  ag
+14 compute         addmm relu le  (6 nodes)""")
+        self.assertExpectedInline(bwd, """\
+0  compute         where  (2 nodes)
+1  pack            unit 2  ag
+2  all_gather      unit 2  ag     all_gather      256 B
+3  pack            unit 1  ag
+4  all_gather      unit 1  ag     all_gather      256 B
+5  wait            unit 2  ag     all_gather
+6  unpack          unit 2  ag
+7  compute         mm sum  (9 nodes)
+8  pack            unit 2  rs
+9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
+10 compute         le where  (4 nodes)
+11 wait            unit 1  ag     all_gather
+12 unpack          unit 1  ag
+13 compute         mm sum  (9 nodes)
+14 pack            unit 1  rs
+15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+16 compute         le where mm sum  (10 nodes)
+17 wait            unit 2  rs     reduce_scatter
+18 unpack          unit 2  rs
+19 pack            unit 0  rs
+20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+21 wait            unit 1  rs     reduce_scatter
+22 wait            unit 0  rs     reduce_scatter
+23 unpack          unit 1  rs
+24 unpack          unit 0  rs""")
+
+    def test_small_reduce_scatter_cap(self) -> None:
+        fwd, bwd = self.schedule(reduce_scatter_bytes=300)
+        # A cap of 300 B holds one 288 B bucket: each reduce-scatter is waited before the next launch.
+        self.assertExpectedInline(bwd, """\
+0  compute         where  (2 nodes)
+1  pack            unit 2  ag
+2  all_gather      unit 2  ag     all_gather      256 B
+3  pack            unit 1  ag
+4  all_gather      unit 1  ag     all_gather      256 B
+5  wait            unit 2  ag     all_gather
+6  unpack          unit 2  ag
+7  compute         mm sum  (9 nodes)
+8  pack            unit 2  rs
+9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
+10 compute         le where  (4 nodes)
+11 wait            unit 1  ag     all_gather
+12 unpack          unit 1  ag
+13 compute         mm sum  (9 nodes)
+14 wait            unit 2  rs     reduce_scatter
+15 unpack          unit 2  rs
+16 pack            unit 1  rs
+17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+18 compute         le where mm sum  (10 nodes)
+19 wait            unit 1  rs     reduce_scatter
+20 unpack          unit 1  rs
+21 pack            unit 0  rs
+22 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+23 wait            unit 0  rs     reduce_scatter
+24 unpack          unit 0  rs""")
+
+    def test_small_prefetch_cap(self) -> None:
+        fwd, bwd = self.schedule(prefetch=2, prefetch_bytes=600)
+        # Depth 2 asked, but 600 B holds two 288 B gathered buckets: unit 2 is issued one unit ahead.
+        self.assertExpectedInline(fwd, """\
+0  pack            unit 0  ag
+1  all_gather      unit 0  ag     all_gather      288 B
+2  pack            unit 1  ag
+3  all_gather      unit 1  ag     all_gather      288 B
+4  wait            unit 0  ag     all_gather
+5  unpack          unit 0  ag
+6  compute         addmm relu  (3 nodes)
+7  pack            unit 2  ag
+8  all_gather      unit 2  ag     all_gather      288 B
+9  wait            unit 1  ag     all_gather
+10 unpack          unit 1  ag
+11 compute         addmm relu  (3 nodes)
+12 wait            unit 2  ag     all_gather
+13 unpack          unit 2  ag
+14 compute         addmm relu le  (6 nodes)""")
+
+
+_LAUNCH = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")
+_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
+_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def emitted_order(code: str) -> list[str]:
+    """Collective launches and waits in the order Inductor's generated code runs them."""
+    kind_of: dict[str, str] = {}
+    out = []
+    for line in code.splitlines():
+        if m := _LAUNCH.search(line):
+            kind_of[m.group(1)] = _KIND[m.group(2)]
+            out.append(_KIND[m.group(2)])
+        elif m := _WAIT.search(line):
+            out.append(f"wait {kind_of.get(m.group(1), '?')}")
+    return out
+
+
+def fx_order(gm: torch.fx.GraphModule) -> list[str]:
+    out = []
+    for r in rows(gm):
+        if r.op in ("all_gather", "reduce_scatter"):
+            out.append(r.op)
+        elif r.op == "wait":
+            launch = waited_collective(r.nodes[0])
+            out.append(f"wait {'all_gather' if is_all_gather(launch) else 'reduce_scatter'}")
+    return out
+
+
+class InductorOrderTest(TestCase):
+    """The order of launches and waits survives Inductor: read its generated code."""
+
+    def setUp(self) -> None:
+        torch._dynamo.reset()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+
+    def compiled_orders(self, **backend_kw: Any) -> tuple[list[list[str]], list[list[str]]]:
+        groups = FsdpGroups.create()
+        torch.manual_seed(0)
+        model = torch.compile(shard_blocks_then_root(ThreeUnits(), groups), backend=make_backend(**backend_kw))
+        with observe_graphs() as seen:
+            _, codes = run_and_get_code(lambda: model(torch.randn(4, 8)).sum().backward())
+        return [fx_order(gm) for _, gm in seen], [emitted_order(c) for c in codes]
+
+    def test_emitted_order_matches_schedule(self) -> None:
+        for kw in ({}, {"prefetch": 2}, {"schedule": "delayed"}):
+            fx, emitted = self.compiled_orders(**kw)
+            self.assertEqual(len(emitted), 2)
+            self.assertEqual(emitted, fx, f"Inductor reordered collectives with {kw}")
+
+    def test_without_pinning_inductor_undoes_the_schedule(self) -> None:
+        # The control: Inductor's own reordering moves waits back next to their launches.
+        fx, emitted = self.compiled_orders(pin_order=False)
+        self.assertNotEqual(emitted, fx)

@@ -67,3 +67,21 @@ def test_slow_path_trains_correctly_and_warns_once(run: str) -> None:
     for r in results:
         slow = [w for w in r["warnings"] if "use torch.compile(model, backend=fsdp_backend)" in w.lower()]
         assert len(slow) == 1, r["warnings"]
+
+
+SCHEDULES = {
+    "default": ({}, {}),
+    "delayed-one-communicator": ({"schedule": "delayed"}, {"dedicated": "none"}),
+    "dedicated-all-gather": ({}, {"dedicated": "all_gather"}),
+    "prefetch-0": ({"prefetch": 0}, {}),
+    "prefetch-2": ({"prefetch": 2}, {}),
+    "tiny-caps": ({"prefetch": 2, "prefetch_bytes": 1, "reduce_scatter_bytes": 1}, {}),
+    "no-reduce-scatter-cap": ({"reduce_scatter_bytes": None}, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_matches_the_reference(name: str) -> None:
+    backend_kw, group_kw = SCHEDULES[name]
+    case = Case(optim="adamw", steps=5, backend_kw=backend_kw, group_kw=group_kw)
+    check(run_ranks(train_case, 2, case), steps=case.steps)

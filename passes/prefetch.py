@@ -41,7 +41,8 @@ def prefetch_pass(gm: fx.GraphModule, *, depth: int = 1, max_bytes: int | None =
         # Before the compute of the unit d places earlier; never before an earlier unit's launch.
         target = max(first_use[id(order[i - d])], last_target)
         last_target = target
-        _place(keys, [*r.prologue, r.launch], target - 0.5 + i * 1e-3)
+        # Launches keep first-use order within (target - 0.5, target - 0.4), however many units.
+        _place(keys, [*r.prologue, r.launch], target - 0.5 + 0.1 * i / len(order))
         _place(keys, [r.wait, *r.epilogue], first_use[id(r)] - 0.25)
     reorder(gm.graph, keys)
     return gm

@@ -49,7 +49,7 @@ def reduce_scatter_pass(
     index = positions(gm.graph)
     end = float(len(index))
     ready = {id(r): max((index[i] for i in r.inputs), default=0) for r in scatters}
-    gather_uses = sorted(min(index[u] for u in r.users) for r in regions(gm, "all_gather") if r.users)
+    gather_uses = sorted((min(index[u] for u in r.users), r.unit) for r in regions(gm, "all_gather") if r.users)
     order = sorted(scatters, key=lambda r: ready[id(r)])
     keys: dict[fx.Node, float] = {}
     in_flight: list[tuple[int, list[fx.Node]]] = []  # (input bytes, [wait, *epilogue]) by launch
@@ -59,9 +59,9 @@ def reduce_scatter_pass(
         if schedule == "delayed":
             # Held until the next unit's backward starts (its gathered params' first use), or to
             # the end of the graph when no unit follows.
-            later = [p for p in gather_uses if p > ready[id(r)]]
+            later = [p for p, unit in gather_uses if p > ready[id(r)] and unit != r.unit]
             launch_at = later[0] - 0.1 if later else end - 0.5
-        launch_at += i * 1e-3
+        launch_at += 0.05 * i / len(order)  # launch order = readiness order, however many units
         while in_flight and sum(b for b, _ in in_flight) + r.in_bytes > cap:
             _, waiting = in_flight.pop(0)
             _place(keys, waiting, launch_at - 0.25)

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+from .accumulate import set_requires_gradient_sync
 from .backend import fsdp_backend, make_backend
 from .groups import Dedicated, FsdpGroups
+from .module import FsdpModule
 from .sharding import MixedPrecisionPolicy, fully_shard
 
-__all__ = ["Dedicated", "FsdpGroups", "MixedPrecisionPolicy", "fsdp_backend", "fully_shard", "make_backend"]
+__all__ = [
+    "Dedicated",
+    "FsdpGroups",
+    "FsdpModule",
+    "MixedPrecisionPolicy",
+    "fsdp_backend",
+    "fully_shard",
+    "make_backend",
+    "set_requires_gradient_sync",
+]

@@ -68,6 +68,7 @@ class BackendOptions:
     reduce_scatter_bytes: int | str | None = "auto"
     inductor: bool = True
     pin_order: bool = True
+    elide_single_rank: bool = True
     disabled_passes: tuple[str, ...] = ()
     log_pass_diffs: bool = False
 
@@ -104,6 +105,12 @@ def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
         _observers.remove(observer)
 
 
+# Activation-checkpoint regions are numbered from 0 up; the partitioner turns a must-recompute node
+# into must-save when a user belongs to a *later* region. Our tags carry a number above every region,
+# so an unshard read inside a checkpointed block is still recomputed, never saved.
+_AC_GRAPH_ID = 1 << 30
+
+
 def _tag_reshard(joint: fx.GraphModule) -> None:
     """NOTE [reshard by recompute]: mark unshards of resharding units (and the view/cast chains that
     only read them) must-recompute, so the partitioner cannot save a gathered param for backward and
@@ -114,15 +121,15 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
         reshard = UnshardArgs.of(node).reshard
         policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
         node.meta["recompute"] = policy
-        node.meta["ac_graph_id"] = 0
+        node.meta["ac_graph_id"] = _AC_GRAPH_ID
         if not reshard:
             continue
         frontier = list(node.users)
         while frontier:
             user = frontier.pop()
-            if user.op == "call_function" and user.target in _VIEW_OPS and "recompute" not in user.meta:
+            if user.op == "call_function" and user.target in _VIEW_OPS and user.meta.get("ac_graph_id") != _AC_GRAPH_ID:
                 user.meta["recompute"] = policy
-                user.meta["ac_graph_id"] = 0
+                user.meta["ac_graph_id"] = _AC_GRAPH_ID
                 frontier.extend(user.users)
 
 
@@ -134,8 +141,9 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
 
 def _passes(options: BackendOptions) -> list[NamedPass]:
     return [
-        NamedPass("lower_unshard", lower_unshard_pass),
-        NamedPass("lower_reduce_grad", lower_reduce_grad_pass),
+        NamedPass("lower_unshard", functools.partial(lower_unshard_pass, elide_single_rank=options.elide_single_rank)),
+        NamedPass("lower_reduce_grad", functools.partial(lower_reduce_grad_pass,
+                                                         elide_single_rank=options.elide_single_rank)),
         NamedPass("bucket", bucket_pass),
         NamedPass("prefetch", functools.partial(prefetch_pass, depth=options.prefetch,
                                                 max_bytes=options.prefetch_bytes)),
@@ -182,6 +190,7 @@ def make_backend(
     reduce_scatter_bytes: int | str | None = "auto",
     inductor: bool = True,
     pin_order: bool = True,
+    elide_single_rank: bool = True,
     disabled_passes: Sequence[str] = (),
     log_pass_diffs: bool = False,
 ) -> Any:
@@ -196,6 +205,7 @@ def make_backend(
     about two buckets in flight; ``None`` lets every wait sink to the end of backward.
     ``inductor=False`` runs the scheduled FX graphs without Inductor (for debugging).
     ``pin_order=False`` lets Inductor reorder collectives by its own memory heuristics (for comparison).
+    ``elide_single_rank=False`` keeps the collectives of one-rank groups (for measuring their cost).
     ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
@@ -207,6 +217,7 @@ def make_backend(
         reduce_scatter_bytes=reduce_scatter_bytes,
         inductor=inductor,
         pin_order=pin_order,
+        elide_single_rank=elide_single_rank,
         disabled_passes=tuple(disabled_passes),
         log_pass_diffs=log_pass_diffs,
     )

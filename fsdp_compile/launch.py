@@ -37,12 +37,15 @@ def _free_port() -> int:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any,
-            args: tuple, pg_timeout_s: float, threads: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+            args: tuple, pg_timeout_s: float, threads: int, backend: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
         )
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
@@ -79,12 +82,13 @@ def _collect(results: Any, world_size: int, procs: list, deadline: float) -> dic
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
-              pg_timeout_s: float = 120.0, threads: int | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+              pg_timeout_s: float = 120.0, threads: int | None = None, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     ``fn`` must be importable by module path (spawned processes unpickle it). Each rank uses
     ``threads`` intra-op threads (default: the cores divided among the ranks, at least one).
-    Results travel by value (``torch.save``), so tensors are fine.
+    With ``backend="nccl"`` rank ``r`` uses GPU ``r`` (one GPU per rank). Results travel by value
+    (``torch.save``), so tensors are fine.
     """
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -92,7 +96,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args, pg_timeout_s, threads),
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args, pg_timeout_s, threads, backend),
                     daemon=True)
         for r in range(world_size)
     ]

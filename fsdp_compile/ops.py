@@ -21,7 +21,7 @@ import warnings
 import torch
 from torch import Tensor
 
-__all__ = ["unshard", "reduce_grad", "shard_rows"]
+__all__ = ["unshard", "reduce_grad", "reduce_full_grad", "shard_rows"]
 
 _NAMESPACE = "fsdp"
 
@@ -68,12 +68,16 @@ def unshard(
     reshard: bool,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    accumulate: Tensor | None = None,
 ) -> Tensor:
     """Gather the full parameter ``name`` of ``unit`` from every rank's dim-0 shard.
 
     ``shard`` has ``shard_rows(full_shape[0], world_size)`` rows; the result has ``full_shape`` and
     ``param_dtype`` (the shard's dtype when ``None``): the cast happens before the gather. The other
     arguments only inform the backward (``reduce_grad``) and the graph passes.
+
+    ``accumulate`` (gradient accumulation without communication, see ``accumulate.py``): a full-shape
+    leaf whose ``.grad`` receives the full gradient instead; the shard gets none and nothing is reduced.
     """
     _warn_slow_path()
     x = shard if param_dtype is None else shard.to(param_dtype)
@@ -86,19 +90,36 @@ def unshard(
 
 
 @unshard.register_fake
-def _unshard_fake(shard: Tensor, full_shape: list[int], world_size: int, *args: object) -> Tensor:
-    param_dtype = args[-2]
-    assert param_dtype is None or isinstance(param_dtype, torch.dtype)
+def _unshard_fake(
+    shard: Tensor,
+    full_shape: list[int],
+    world_size: int,
+    unit: int,
+    name: str,
+    ag_group: str,
+    rs_group: str,
+    replicate_group: str,
+    replicate_size: int,
+    reshard: bool,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    accumulate: Tensor | None = None,
+) -> Tensor:
     return shard.new_empty(full_shape, dtype=param_dtype or shard.dtype)
 
 
 def _unshard_setup_context(ctx: object, inputs: tuple, output: Tensor) -> None:
-    ctx.args = inputs[1:]  # type: ignore[attr-defined]
+    ctx.args = inputs[1:-1]  # type: ignore[attr-defined]
+    ctx.accumulate = inputs[-1] is not None  # type: ignore[attr-defined]
     ctx.shard_shape = list(inputs[0].shape)  # type: ignore[attr-defined]
     ctx.shard_dtype = inputs[0].dtype  # type: ignore[attr-defined]
 
 
 def _unshard_backward(ctx: object, grad: Tensor) -> tuple:
+    n_args = len(ctx.args)  # type: ignore[attr-defined]
+    if ctx.accumulate:  # type: ignore[attr-defined]
+        # No communication: the full gradient goes to the accumulation leaf, in the shard's dtype.
+        return (None,) + (None,) * n_args + (grad.to(ctx.shard_dtype),)  # type: ignore[attr-defined]
     (full_shape, world_size, unit, name, ag_group, rs_group, replicate_group, replicate_size, _reshard,
      _param_dtype, reduce_dtype) = ctx.args  # type: ignore[attr-defined]
     shard_grad = reduce_grad(
@@ -114,7 +135,7 @@ def _unshard_backward(ctx: object, grad: Tensor) -> tuple:
         reduce_dtype,
         ctx.shard_dtype,  # type: ignore[attr-defined]
     )
-    return (shard_grad,) + (None,) * len(ctx.args)  # type: ignore[attr-defined]
+    return (shard_grad,) + (None,) * n_args + (None,)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -147,6 +168,21 @@ def reduce_grad(
     the passes whether the two collectives share a communicator.
     """
     _warn_slow_path()
+    return reduce_full_grad(grad, shard_shape, world_size, rs_group, replicate_group, replicate_size,
+                            reduce_dtype, out_dtype)
+
+
+def reduce_full_grad(
+    grad: Tensor,
+    shard_shape: list[int],
+    world_size: int,
+    rs_group: str,
+    replicate_group: str,
+    replicate_size: int,
+    reduce_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """``reduce_grad``'s arithmetic with blocking collectives (also used to flush accumulated grads)."""
     g = grad if reduce_dtype is None else grad.to(reduce_dtype)
     rows = shard_shape[0] if shard_shape else 1
     g = g.reshape(-1, *g.shape[1:]) if g.dim() > 0 else g.reshape(1)

@@ -10,79 +10,18 @@ then on the root, as with FSDP2. After the call, each of the unit's parameters i
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .groups import FsdpGroups
+from .module import mix_in
 from .ops import shard_rows
+from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _unit_counter, _units, unit_of
 
 __all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "unit_of"]
-
-
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """Dtypes for one unit. ``None`` keeps the parameter's own dtype.
-
-    ``param_dtype``: what params are cast to *before* the all-gather (so bf16 halves its bytes).
-    ``reduce_dtype``: what gradients are reduce-scattered in (default: ``param_dtype``).
-    ``output_dtype``: what the unit's floating-point outputs are cast to.
-    Shards, their gradients and the optimizer always stay in the param's own dtype.
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-
-
-@dataclass(eq=False)
-class Unit:
-    """One ``fully_shard`` call: the module and the parameters it manages."""
-
-    index: int
-    module_ref: weakref.ref[nn.Module]
-    groups: FsdpGroups
-    reshard_after_forward: bool
-    mp_policy: MixedPrecisionPolicy
-    fqn: str = ""
-    params: list[ShardedParam] = field(default_factory=list)
-
-    @property
-    def module(self) -> nn.Module:
-        module = self.module_ref()
-        assert module is not None, "a unit outlived its module"
-        return module
-
-
-@dataclass(eq=False)
-class ShardedParam:
-    """One managed parameter: its shard and the full shape it stands for."""
-
-    shard: nn.Parameter
-    full_shape: tuple[int, ...]
-    local_name: str  # relative to the unit's module
-    unit: Unit
-    sharded: bool = False  # True once ``shard`` holds the shard rather than the full param
-
-    @property
-    def fqn(self) -> str:
-        """Name relative to the newest root that ``fully_shard`` was called on."""
-        return f"{self.unit.fqn}.{self.local_name}" if self.unit.fqn else self.local_name
-
-
-# Module -> unit and shard -> param, keyed weakly so that dropping a model frees everything.
-_units: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
-_params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Tensor -> ShardedParam, by identity
-_unit_counter = [0]
-
-
-def unit_of(module: nn.Module) -> Unit | None:
-    """The unit ``fully_shard(module)`` made, or ``None``."""
-    return _units.get(module)
 
 
 class Unshard(nn.Module):
@@ -110,6 +49,7 @@ class Unshard(nn.Module):
             unit.reshard_after_forward,
             mp.param_dtype,
             mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype,
+            p.accumulator if (not unit.requires_grad_sync or unit.pending) else None,
         )
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
@@ -230,7 +170,27 @@ def fully_shard(
         _params[p] = sp
     _units[module] = unit
     _renumber_subunits(module, unit)
+    _cast_hooks(module, mp_policy)
+    mix_in(module)
     return module
+
+
+def _cast(tensors: object, dtype: torch.dtype) -> object:
+    return torch.utils._pytree.tree_map_only(
+        Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tensors
+    )
+
+
+def _cast_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
+    """Mixed precision at the unit's boundary: floating inputs to ``param_dtype`` (when
+    ``cast_forward_inputs``), floating outputs to ``output_dtype``."""
+    if mp.param_dtype is not None and mp.cast_forward_inputs:
+        dtype = mp.param_dtype
+        module.register_forward_pre_hook(lambda _m, args, kwargs: (_cast(args, dtype), _cast(kwargs, dtype)),
+                                         with_kwargs=True)
+    if mp.output_dtype is not None:
+        out_dtype = mp.output_dtype
+        module.register_forward_hook(lambda _m, _args, out: _cast(out, out_dtype))
 
 
 def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:

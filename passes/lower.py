@@ -10,8 +10,8 @@ After (each wait right after its launch: the later passes bucket, move and pin t
     grad -> [cast] -> [pad] -> reduce_scatter_tensor(sum, rs_group) -> wait_tensor
          -> [all_reduce(sum, replicate_group) -> wait_tensor] -> div(dp ranks) -> [cast] -> view
 
-See NOTE [padding] in ``fsdp_compile/ops.py``. A world size of one needs no collective: the all-gather
-and reduce-scatter are left out and only the casts (and a view) remain.
+See NOTE [padding] in ``fsdp_compile/ops.py``. A world size of one needs no collective: by default the
+all-gather and reduce-scatter are left out and only the casts (and views) remain.
 """
 
 from __future__ import annotations
@@ -27,22 +27,33 @@ __all__ = ["lower_unshard_pass", "lower_reduce_grad_pass", "gather_flat", "scatt
 c10d = torch.ops._c10d_functional
 
 
-def gather_flat(flat: Tensor, world_size: int, group: str) -> Tensor:
+def cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``x`` in ``dtype`` as the prim Inductor lowers (``Tensor.to`` would trace to ``_to_copy``)."""
+    if dtype is None or x.dtype == dtype:
+        return x
+    return torch.ops.prims.convert_element_type.default(x, dtype)
+
+
+def gather_flat(flat: Tensor, world_size: int, group: str, *, elide: bool = True) -> Tensor:
     """All-gather a 1-D tensor: ``world_size * len(flat)`` elements, rank-major."""
-    if world_size == 1:
+    if world_size == 1 and elide:
         return flat
     return c10d.wait_tensor(c10d.all_gather_into_tensor(flat, world_size, group))
 
 
-def scatter_flat(flat: Tensor, world_size: int, group: str) -> Tensor:
+def scatter_flat(flat: Tensor, world_size: int, group: str, *, elide: bool = True) -> Tensor:
     """Sum-reduce-scatter a 1-D tensor: this rank's ``len(flat) / world_size`` elements."""
-    if world_size == 1:
+    if world_size == 1 and elide:
         return flat
     return c10d.wait_tensor(c10d.reduce_scatter_tensor(flat, "sum", world_size, group))
 
 
-def lower_unshard_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """Replace each ``fsdp::unshard`` with its own all-gather on the all-gather group."""
+def lower_unshard_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True) -> fx.GraphModule:
+    """Replace each ``fsdp::unshard`` with its own all-gather on the all-gather group.
+
+    With ``elide_single_rank`` a group of one rank gets no collective (its all-gather is the identity);
+    ``False`` keeps it, to measure what the collective path costs.
+    """
     for node in list(gm.graph.nodes):
         if not is_unshard(node):
             continue
@@ -50,8 +61,8 @@ def lower_unshard_pass(gm: fx.GraphModule) -> fx.GraphModule:
         dim0 = a.full_shape[0] if a.full_shape else 1
 
         def gather(shard: Tensor, a: UnshardArgs = a, dim0: int = dim0) -> Tensor:
-            x = shard if a.param_dtype is None else shard.to(a.param_dtype)
-            full = gather_flat(x.reshape(-1), a.world_size, a.ag_group)
+            x = cast(shard, a.param_dtype)
+            full = gather_flat(x.reshape(-1), a.world_size, a.ag_group, elide=elide_single_rank)
             rows = full.view(-1, *x.shape[1:])
             if rows.shape[0] != dim0:  # padding (see NOTE [padding])
                 rows = rows[:dim0]
@@ -65,15 +76,18 @@ def lower_unshard_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def lower_reduce_grad_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """Replace each ``fsdp::reduce_grad`` with its own reduce-scatter on the reduce-scatter group."""
+def lower_reduce_grad_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True) -> fx.GraphModule:
+    """Replace each ``fsdp::reduce_grad`` with its own reduce-scatter on the reduce-scatter group.
+
+    ``elide_single_rank`` as in :func:`lower_unshard_pass`.
+    """
     for node in list(gm.graph.nodes):
         if not is_reduce_grad(node):
             continue
         a = ReduceGradArgs.of(node)
 
         def reduce(grad: Tensor, a: ReduceGradArgs = a) -> Tensor:
-            return reduce_flat(grad.reshape(-1), a)
+            return reduce_flat(grad.reshape(-1), a, elide=elide_single_rank)
 
         (out,) = splice(gm.graph, reduce, [a.grad], before=node,
                         meta={"unit": a.unit, "param": a.name, "kind": "reduce_scatter",
@@ -84,22 +98,22 @@ def lower_reduce_grad_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def reduce_flat(flat: Tensor, a: ReduceGradArgs) -> Tensor:
+def reduce_flat(flat: Tensor, a: ReduceGradArgs, *, elide: bool = True) -> Tensor:
     """The reduce-scatter of one full flat gradient into its shard (also used per bucket slot)."""
-    g = flat if a.reduce_dtype is None else flat.to(a.reduce_dtype)
+    g = cast(flat, a.reduce_dtype)
     shard_numel = 1
     for s in a.shard_shape:
         shard_numel *= s
     padded = shard_numel * a.world_size
     if g.numel() < padded:
         g = torch.nn.functional.pad(g, (0, padded - g.numel()))
-    g = scatter_flat(g, a.world_size, a.rs_group)
+    g = scatter_flat(g, a.world_size, a.rs_group, elide=elide)
     if a.replicate_group:
         g = c10d.wait_tensor(c10d.all_reduce(g, "sum", a.replicate_group))
     ranks = a.world_size * max(a.replicate_size, 1)
     if ranks > 1:
         g = g / ranks
-    return g.to(a.out_dtype).view(a.shard_shape)
+    return cast(g, a.out_dtype).view(a.shard_shape)
 
 
 def annotate(node: fx.Node, **kv: object) -> None:

@@ -123,6 +123,7 @@ class UnshardArgs:
     reshard: bool
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
+    accumulate: fx.Node | None = None  # gradient accumulation without communication
 
     @classmethod
     def of(cls, node: fx.Node) -> UnshardArgs:

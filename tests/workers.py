@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fsdp_compile import FsdpGroups, fully_shard, make_backend
+from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
+from fsdp_compile.sharding import _cast_hooks
 from fsdp_compile.models import ModelConfig, Transformer, loss_fn
 from fsdp_compile.sharding import unit_of
 
@@ -56,11 +57,35 @@ class UnevenModel(nn.Module):
         return self.head(x)
 
 
+class CheckpointedLlama(Transformer):
+    """Activation checkpointing inside every block (torch.utils.checkpoint, non-reentrant)."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+        return self.output(self.norm(x))
+
+
+class BrokenLlama(Transformer):
+    """A graph break after every block: several compiled graphs per step."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+            torch._dynamo.graph_break()
+        return self.output(self.norm(x))
+
+
+MODELS = {"llama": Transformer, "llama-ac": CheckpointedLlama, "llama-break": BrokenLlama}
+
+
 @dataclass(frozen=True)
 class Case:
     """One training comparison."""
 
-    model: str = "llama"  # "llama" (Transformer(cfg)) or "uneven" (UnevenModel)
+    model: str = "llama"  # a key of MODELS (built from cfg), or "uneven" (UnevenModel)
     cfg: ModelConfig = TINY
     optim: str = "adamw"
     steps: int = 10
@@ -70,19 +95,21 @@ class Case:
     run: str = "fsdp"  # "fsdp" (fsdp_backend), "eager" (uncompiled), "inductor" (another backend)
     backend_kw: dict[str, Any] = field(default_factory=dict)
     group_kw: dict[str, Any] = field(default_factory=dict)
-    shard_kw: dict[str, Any] = field(default_factory=dict)
+    shard_kw: dict[str, Any] = field(default_factory=dict)  # fully_shard options for the blocks
+    root_kw: dict[str, Any] | None = None  # ... and for the root (default: the same)
+    device: str = "cpu"  # where the sharded run trains; the reference always runs on the CPU
+    no_sync: bool = False  # all microbatches but the last run with set_requires_gradient_sync(False)
+    count_collectives: bool = False  # profile each step to count its reduce-scatters (slower)
 
     def build(self) -> nn.Module:
         torch.manual_seed(0)
-        if self.model == "llama":
-            return Transformer(self.cfg)
         if self.model == "uneven":
             return UnevenModel()
-        raise ValueError(self.model)
+        return MODELS[self.model](self.cfg)
 
     @property
     def vocab(self) -> int:
-        return self.cfg.vocab_size if self.model == "llama" else 1001
+        return 1001 if self.model == "uneven" else self.cfg.vocab_size
 
 
 def make_batches(case: Case, world: int) -> list[list[tuple[Tensor, Tensor]]]:
@@ -106,11 +133,11 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
-def shard_model(model: nn.Module, groups: FsdpGroups, **kw: Any) -> nn.Module:
+def shard_model(model: nn.Module, groups: FsdpGroups, root_kw: dict[str, Any] | None = None, **kw: Any) -> nn.Module:
     """Blocks first, then the root."""
     for block in model.layers:  # type: ignore[union-attr]
         fully_shard(block, groups=groups, **kw)
-    fully_shard(model, groups=groups, **kw)
+    fully_shard(model, groups=groups, **(kw if root_kw is None else root_kw))
     return model
 
 
@@ -118,10 +145,38 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+class CastTo(nn.Module):
+    """A parametrization that reads a param in another dtype (the reference's mixed precision)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to(self.dtype)
+
+
+def apply_reference_casts(model: nn.Module, block_mp: MixedPrecisionPolicy, root_mp: MixedPrecisionPolicy) -> None:
+    """The casts sharded units apply, on an unsharded model: params read in their unit's
+    ``param_dtype``, and each block's and the root's inputs and outputs cast as ``fully_shard`` does."""
+    in_blocks = {id(m) for block in model.layers for m in block.modules()}  # type: ignore[attr-defined]
+    for module in list(model.modules()):
+        dtype = (block_mp if id(module) in in_blocks else root_mp).param_dtype
+        for name, _ in list(module.named_parameters(recurse=False)) if dtype is not None else ():
+            torch.nn.utils.parametrize.register_parametrization(module, name, CastTo(dtype), unsafe=True)
+    for block in model.layers:  # type: ignore[attr-defined]
+        _cast_hooks(block, block_mp)
+    _cast_hooks(model, root_mp)
+
+
 def reference_run(case: Case, batches: list) -> tuple[list[float], dict[str, Tensor]]:
     """Single-process eager training on the global batches: losses per step, first step's grads."""
     model = case.build()
-    opt = make_optimizer(case.optim, _trainable(model))
+    block_mp = case.shard_kw.get("mp_policy")
+    root_mp = (case.root_kw if case.root_kw is not None else case.shard_kw).get("mp_policy")
+    if block_mp is not None or root_mp is not None:
+        apply_reference_casts(model, block_mp or MixedPrecisionPolicy(), root_mp or MixedPrecisionPolicy())
+    opt = make_optimizer(case.optim, [p for p in model.parameters() if p.requires_grad])
     losses, grads0 = [], {}
     for step, micro in enumerate(batches):
         total = 0.0
@@ -130,11 +185,16 @@ def reference_run(case: Case, batches: list) -> tuple[list[float], dict[str, Ten
             loss.backward()
             total += loss.item()
         if step == 0:
-            grads0 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            grads0 = {_plain_name(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
         losses.append(total)
     return losses, grads0
+
+
+def _plain_name(name: str) -> str:
+    """``a.parametrizations.weight.original`` -> ``a.weight`` (the reference's cast parametrization)."""
+    return name.replace(".parametrizations.", ".").replace(".original", "")
 
 
 def sharded_grads(model: nn.Module) -> dict[str, Tensor]:
@@ -144,7 +204,7 @@ def sharded_grads(model: nn.Module) -> dict[str, Tensor]:
         unit = unit_of(m)
         for sp in unit.params if unit is not None else ():
             if sp.shard.grad is not None:
-                out[sp.fqn] = sp.shard.grad.clone()
+                out[sp.fqn] = sp.shard.grad.detach().cpu().clone()
     return out
 
 
@@ -161,7 +221,8 @@ def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
     """Train ``case`` sharded on this rank's slice of every global batch; also run the reference."""
     batches = make_batches(case, world)
     groups = FsdpGroups.create(**case.group_kw)
-    model = shard_model(case.build(), groups, **case.shard_kw)
+    device = torch.device(case.device, torch.cuda.current_device()) if case.device == "cuda" else torch.device("cpu")
+    model = shard_model(case.build().to(device), groups, case.root_kw, **case.shard_kw)
     if case.run == "fsdp":
         step_model = torch.compile(model, backend=make_backend(**case.backend_kw))
     elif case.run == "inductor":
@@ -169,16 +230,21 @@ def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
     else:
         step_model = model
     opt = make_optimizer(case.optim, _trainable(model))
-    losses, grads0 = [], {}
+    losses, grads0, scatters = [], {}, []
     lo, hi = rank * case.per_rank_batch, (rank + 1) * case.per_rank_batch
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, micro in enumerate(batches):
-            total = torch.zeros(())
-            for x, y in micro:
-                loss = loss_fn(step_model(x[lo:hi]), y[lo:hi]) / case.microbatches
-                loss.backward()
-                total += loss.detach()
+            total = torch.zeros((), device=device)
+            with CountCollectives(case.count_collectives) as counted:
+                for i, (x, y) in enumerate(micro):
+                    if case.no_sync:
+                        model.set_requires_gradient_sync(i == len(micro) - 1)
+                    x, y = x.to(device), y.to(device)
+                    loss = loss_fn(step_model(x[lo:hi]), y[lo:hi]) / case.microbatches
+                    loss.backward()
+                    total += loss.detach()
+            scatters.append(counted.reduce_scatters)
             if step == 0:
                 grads0 = sharded_grads(model)
             opt.step()
@@ -194,4 +260,29 @@ def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
         "ref_grads0": {n: ref_slice(ref_grads[n], rank, world) for n in grads0},
         "ref_grad_names": sorted(ref_grads),
         "warnings": [str(w.message) for w in caught],
+        "reduce_scatters": scatters,
     }
+
+
+class CountCollectives:
+    """Counts the reduce-scatters run while active, from compiled code and eager code alike.
+
+    The profiler records every op that goes through the dispatcher, as Inductor's generated code does;
+    a dispatch mode would not do (Dynamo does not compile under one).
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.reduce_scatters = -1
+
+    def __enter__(self) -> CountCollectives:
+        if self.enabled:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._prof.__exit__(*exc)
+            names = [e.name for e in self._prof.events()]
+            self.reduce_scatters = sum(1 for n in names if n == "_c10d_functional::reduce_scatter_tensor")

@@ -1,0 +1,91 @@
+"""Units and their sharded parameters: what ``fully_shard`` records, kept outside the user's modules.
+
+A registry keyed weakly by module (units) and by tensor identity (params) holds everything, so a
+dropped model frees its entries and no setting is stored as an attribute of a user's module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .groups import FsdpGroups
+
+__all__ = ["MixedPrecisionPolicy", "ShardedParam", "Unit", "unit_of", "units_under"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for one unit. ``None`` keeps the parameter's own dtype.
+
+    ``param_dtype``: what params are cast to *before* the all-gather (so bf16 halves its bytes).
+    ``reduce_dtype``: what gradients are reduce-scattered in (default: ``param_dtype``).
+    ``output_dtype``: what the unit's floating-point outputs are cast to.
+    ``cast_forward_inputs``: cast the unit's floating-point inputs to ``param_dtype``.
+    Shards, their gradients and the optimizer always stay in the param's own dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(eq=False)
+class Unit:
+    """One ``fully_shard`` call: the module and the parameters it manages."""
+
+    index: int
+    module_ref: weakref.ref[nn.Module]
+    groups: FsdpGroups
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy
+    fqn: str = ""
+    params: list[ShardedParam] = field(default_factory=list)
+    requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py
+    pending: bool = False  # accumulated full gradients not yet reduced
+    flush_queued: bool = False
+
+    @property
+    def module(self) -> nn.Module:
+        module = self.module_ref()
+        assert module is not None, "a unit outlived its module"
+        return module
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """One managed parameter: its shard and the full shape it stands for."""
+
+    shard: nn.Parameter
+    full_shape: tuple[int, ...]
+    local_name: str  # relative to the unit's module
+    unit: Unit
+    sharded: bool = False  # True once ``shard`` holds the shard rather than the full param
+    accumulator: Tensor | None = None  # the leaf that collects full grads without sync (accumulate.py)
+
+    @property
+    def fqn(self) -> str:
+        """Name relative to the newest root that ``fully_shard`` was called on."""
+        return f"{self.unit.fqn}.{self.local_name}" if self.unit.fqn else self.local_name
+
+
+# Module -> unit and shard -> param, keyed weakly so that dropping a model frees everything.
+_units: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
+_params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Tensor -> ShardedParam, by identity
+_unit_counter = [0]
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit ``fully_shard(module)`` made, or ``None``."""
+    return _units.get(module)
+
+
+def units_under(module: nn.Module) -> list[Unit]:
+    """The units of ``module`` and its submodules, in module order."""
+    return [u for m in module.modules() if (u := _units.get(m)) is not None]
+

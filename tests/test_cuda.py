@@ -1,0 +1,33 @@
+"""On a GPU (skipped without one): the whole pipeline on NCCL at world size 1 matches the CPU numerics.
+
+Run on the H200 machine with ``python -m pytest tests/test_cuda.py``. At world size 1 the collectives
+are elided by default; ``elide_single_rank=False`` keeps them, so NCCL all-gathers and reduce-scatters
+on two communicators really run, scheduled, through Inductor's CUDA code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_compile.launch import run_ranks
+
+from .test_numerics import check
+from .workers import Case, train_case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize(
+    "backend_kw, group_kw",
+    [
+        ({}, {}),
+        ({"elide_single_rank": False}, {}),
+        ({"elide_single_rank": False, "schedule": "delayed"}, {"dedicated": "none"}),
+        ({"elide_single_rank": False, "prefetch": 2, "reduce_scatter_bytes": 1}, {"dedicated": "all_gather"}),
+    ],
+)
+def test_world1_nccl_matches_cpu(backend_kw: dict, group_kw: dict) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    case = Case(device="cuda", steps=6, backend_kw=backend_kw, group_kw=group_kw)
+    check(run_ranks(train_case, 1, case, backend="nccl"), steps=case.steps, rtol=1e-4)

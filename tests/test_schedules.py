@@ -17,7 +17,7 @@ from expecttest import TestCase
 from torch._inductor.utils import run_and_get_code
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.schedule import group_labels, listing, rows
 from passes.predicates import is_all_gather, waited_collective
@@ -33,10 +33,14 @@ class ScheduleTest(TestCase):
     def tearDown(self) -> None:
         dist.destroy_process_group()
 
-    def schedule(self, dedicated: str = "reduce_scatter", **backend_kw: Any) -> tuple[str, str]:
+    def schedule(self, dedicated: str = "reduce_scatter", shard_kw: dict[str, Any] | None = None,
+                 no_sync: bool = False, **backend_kw: Any) -> tuple[str, str]:
         groups = FsdpGroups.create(dedicated=dedicated)
         torch.manual_seed(0)
-        graphs = capture(shard_blocks_then_root(ThreeUnits(), groups), torch.randn(4, 8), **backend_kw)
+        model = shard_blocks_then_root(ThreeUnits(), groups, **(shard_kw or {}))
+        if no_sync:
+            model.set_requires_gradient_sync(False)
+        graphs = capture(model, torch.randn(4, 8), **backend_kw)
         labels = group_labels(groups)
         return listing(graphs["forward"], labels), listing(graphs["backward"], labels)
 
@@ -292,6 +296,92 @@ class ScheduleTest(TestCase):
 12 wait            unit 2  ag     all_gather
 13 unpack          unit 2  ag
 14 compute         addmm relu le  (6 nodes)""")
+
+    def test_mixed_precision_casts_before_all_gather(self) -> None:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fwd, bwd = self.schedule(shard_kw={"mp_policy": mp})
+        # bf16 params: each "pack" casts the fp32 shards to bf16 *before* the all-gather, which moves
+        # half the bytes (144 B, not 288 B); gradients are reduce-scattered in fp32 (288 B).
+        self.assertExpectedInline(fwd, """\
+0  pack            unit 0  ag
+1  all_gather      unit 0  ag     all_gather      144 B
+2  pack            unit 1  ag
+3  all_gather      unit 1  ag     all_gather      144 B
+4  wait            unit 0  ag     all_gather
+5  unpack          unit 0  ag
+6  compute         addmm relu  (3 nodes)
+7  pack            unit 2  ag
+8  all_gather      unit 2  ag     all_gather      144 B
+9  wait            unit 1  ag     all_gather
+10 unpack          unit 1  ag
+11 compute         addmm relu  (3 nodes)
+12 wait            unit 2  ag     all_gather
+13 unpack          unit 2  ag
+14 compute         addmm relu le  (6 nodes)""")
+        self.assertExpectedInline(bwd, """\
+0  compute         where  (2 nodes)
+1  pack            unit 2  ag
+2  all_gather      unit 2  ag     all_gather      128 B
+3  pack            unit 1  ag
+4  all_gather      unit 1  ag     all_gather      128 B
+5  wait            unit 2  ag     all_gather
+6  unpack          unit 2  ag
+7  compute         mm sum  (9 nodes)
+8  pack            unit 2  rs
+9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
+10 compute         le where  (4 nodes)
+11 wait            unit 1  ag     all_gather
+12 unpack          unit 1  ag
+13 compute         mm sum  (9 nodes)
+14 pack            unit 1  rs
+15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+16 compute         le where mm sum  (10 nodes)
+17 wait            unit 2  rs     reduce_scatter
+18 unpack          unit 2  rs
+19 pack            unit 0  rs
+20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+21 wait            unit 1  rs     reduce_scatter
+22 wait            unit 0  rs     reduce_scatter
+23 unpack          unit 1  rs
+24 unpack          unit 0  rs""")
+
+    def test_reshard_after_forward_false(self) -> None:
+        fwd, bwd = self.schedule(shard_kw={"reshard_after_forward": False})
+        # The gathered params are kept from forward to backward: backward has no all-gather at all,
+        # only the three reduce-scatters.
+        self.assertExpectedInline(bwd, """\
+0  compute         where mm sum  (9 nodes)
+1  pack            unit 2  rs
+2  reduce_scatter  unit 2  rs     reduce_scatter  288 B
+3  compute         le where mm sum  (11 nodes)
+4  pack            unit 1  rs
+5  reduce_scatter  unit 1  rs     reduce_scatter  288 B
+6  compute         le where mm sum  (10 nodes)
+7  wait            unit 2  rs     reduce_scatter
+8  unpack          unit 2  rs
+9  pack            unit 0  rs
+10 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+11 wait            unit 1  rs     reduce_scatter
+12 wait            unit 0  rs     reduce_scatter
+13 unpack          unit 1  rs
+14 unpack          unit 0  rs""")
+
+    def test_no_sync(self) -> None:
+        fwd, bwd = self.schedule(no_sync=True)
+        # set_requires_gradient_sync(False): the forward is unchanged, the backward has no
+        # reduce-scatter: full gradients go to local accumulation leaves (reduced once, later).
+        self.assertExpectedInline(bwd, """\
+0  compute         where  (2 nodes)
+1  pack            unit 2  ag
+2  all_gather      unit 2  ag     all_gather      256 B
+3  pack            unit 1  ag
+4  all_gather      unit 1  ag     all_gather      256 B
+5  wait            unit 2  ag     all_gather
+6  unpack          unit 2  ag
+7  compute         mm sum le where  (13 nodes)
+8  wait            unit 1  ag     all_gather
+9  unpack          unit 1  ag
+10 compute         mm sum le where  (19 nodes)""")
 
 
 _LAUNCH = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from .accumulate import set_requires_gradient_sync
 from .backend import fsdp_backend, make_backend
+from .checkpoint import (
+    get_full_model_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from .groups import Dedicated, FsdpGroups
 from .module import FsdpModule
 from .sharding import MixedPrecisionPolicy, fully_shard
@@ -15,6 +22,11 @@ __all__ = [
     "MixedPrecisionPolicy",
     "fsdp_backend",
     "fully_shard",
+    "get_full_model_state_dict",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
     "make_backend",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
     "set_requires_gradient_sync",
 ]

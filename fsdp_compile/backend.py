@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -38,6 +38,7 @@ from passes.streams import streams_pass
 from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
+from .units import is_sharded
 
 __all__ = ["BackendOptions", "make_backend", "fsdp_backend", "observe_graphs"]
 
@@ -224,13 +225,37 @@ def make_backend(
     compile_fw = functools.partial(_compile, options=options, is_backward=False, is_inference=False)
     compile_bw = functools.partial(_compile, options=options, is_backward=True, is_inference=False)
     compile_inf = functools.partial(_compile, options=options, is_backward=False, is_inference=True)
-    return aot_autograd(
+    aot = aot_autograd(
         fw_compiler=compile_fw,
         bw_compiler=compile_bw,
         inference_compiler=compile_inf,
         partition_fn=partition,
         decompositions=select_decomp_table(),
     )
+
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        _refuse_unmanaged_params(gm, example_inputs)
+        return aot(gm, example_inputs)
+
+    return backend
+
+
+def _refuse_unmanaged_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """A graph that reads sharded params must not also train params outside every unit: their
+    gradients would never be averaged across ranks, and replicas would silently drift apart."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    named = [(n.name, t) for n, t in zip(placeholders, example_inputs) if isinstance(t, nn.Parameter)]
+    named += [(name, p) for name, p in gm.named_parameters()]
+    if not any(is_sharded(p) for _, p in named):
+        return  # not an FSDP model: plain Inductor
+    loose = [name for name, p in named if p.requires_grad and not is_sharded(p)]
+    if loose:
+        raise ValueError(
+            f"fsdp_backend: trainable parameters {loose} are not managed by any fully_shard unit, so their "
+            "gradients would not be averaged across ranks. Call fully_shard(model, groups=groups) on the "
+            "root after its blocks (it takes every remaining parameter), or freeze them "
+            "(param.requires_grad_(False))."
+        )
 
 
 fsdp_backend = make_backend()

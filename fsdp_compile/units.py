@@ -15,7 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .groups import FsdpGroups
 
-__all__ = ["MixedPrecisionPolicy", "ShardedParam", "Unit", "unit_of", "units_under"]
+__all__ = ["MixedPrecisionPolicy", "ShardedParam", "Unit", "is_sharded", "unit_of", "units_under"]
 
 
 @dataclass(frozen=True)
@@ -88,4 +88,9 @@ def unit_of(module: nn.Module) -> Unit | None:
 def units_under(module: nn.Module) -> list[Unit]:
     """The units of ``module`` and its submodules, in module order."""
     return [u for m in module.modules() if (u := _units.get(m)) is not None]
+
+
+def is_sharded(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is the shard of a param some ``fully_shard`` call manages."""
+    return tensor in _params
 

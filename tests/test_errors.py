@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_compile import FsdpGroups, fully_shard
+from fsdp_compile import FsdpGroups, fully_shard, make_backend
 
 
 def test_no_process_group() -> None:
@@ -65,3 +65,12 @@ def test_params_on_two_devices(groups: FsdpGroups) -> None:
 def test_bad_mesh_type(fake_world: int) -> None:
     with pytest.raises(TypeError, match=r"mesh must be None, a ProcessGroup or a DeviceMesh"):
         FsdpGroups.create(mesh=[0, 1])  # type: ignore[arg-type]
+
+
+def test_unmanaged_trainable_param_is_refused_at_compile(groups: FsdpGroups) -> None:
+    """Only a block sharded, no root call: the rest would train without gradient sync. Refused."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0], groups=groups)
+    compiled = torch.compile(model, backend=make_backend(inductor=False))
+    with pytest.raises(Exception, match=r"not managed by any fully_shard unit.*fully_shard\(model, groups=groups\)"):
+        compiled(torch.randn(2, 4))

@@ -78,7 +78,42 @@ class BrokenLlama(Transformer):
         return self.output(self.norm(x))
 
 
-MODELS = {"llama": Transformer, "llama-ac": CheckpointedLlama, "llama-break": BrokenLlama}
+class HuggingFace(nn.Module):
+    """A Hugging Face ``transformers`` causal LM from a small config (no download), unchanged inside:
+    ``layers`` names its decoder blocks so the usual blocks-then-root sharding applies."""
+
+    def __init__(self, kind: str, cfg: ModelConfig) -> None:
+        super().__init__()
+        import transformers  # optional: only these tests need it
+
+        if kind == "llama":
+            config = transformers.LlamaConfig(
+                vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+                max_position_embeddings=cfg.max_seq_len, attn_implementation="sdpa",
+            )
+            self.hf = transformers.LlamaForCausalLM(config)
+            self.layers = self.hf.model.layers
+        else:
+            config = transformers.GPT2Config(
+                vocab_size=cfg.vocab_size, n_embd=cfg.dim, n_layer=cfg.n_layers, n_head=cfg.n_heads,
+                n_positions=cfg.max_seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+            )
+            self.hf = transformers.GPT2LMHeadModel(config)  # ties lm_head.weight to wte.weight
+            self.layers = self.hf.transformer.h
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.hf(input_ids=tokens).logits
+
+
+MODELS = {
+    "llama": Transformer,
+    "llama-ac": CheckpointedLlama,
+    "llama-break": BrokenLlama,
+    "hf-llama": lambda cfg: HuggingFace("llama", cfg),
+    "hf-gpt2": lambda cfg: HuggingFace("gpt2", cfg),
+}
 
 
 @dataclass(frozen=True)

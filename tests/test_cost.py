@@ -1,0 +1,277 @@
+"""The cost model (``fsdp_compile.cost``) and the schedule simulator (``fsdp_compile.timeline``).
+
+Graphs are hand-built (meta tensors as ``meta["val"]``) or captured from ``ThreeUnits`` at world size
+2 under a fake process group, without Inductor. Snapshot: ``EXPECTTEST_ACCEPT=1`` updates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from expecttest import TestCase
+from torch import fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fsdp_compile import FsdpGroups
+from fsdp_compile.cost import (
+    HARDWARE,
+    Hardware,
+    collective_seconds,
+    load_hardware,
+    node_flops,
+    node_seconds,
+    write_calibration,
+)
+from fsdp_compile.schedule import group_labels
+from fsdp_compile.timeline import Timeline, chrome_trace, simulate, table, write_png
+
+from .graph_utils import ThreeUnits, capture, shard_blocks_then_root
+
+aten = torch.ops.aten
+H200 = HARDWARE["h200"]
+
+
+@functools.lru_cache(maxsize=None)
+def three_units(prefetch: int = 1) -> tuple[dict[str, fx.GraphModule], dict[str, str]]:
+    """Forward and backward graphs of ``ThreeUnits`` at world size 2, with group labels (cached)."""
+    assert not dist.is_initialized()
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        groups = FsdpGroups.create()
+        torch.manual_seed(0)
+        model = shard_blocks_then_root(ThreeUnits(), groups)
+        graphs = capture(model, torch.randn(4, 8), prefetch=prefetch)
+        labels = group_labels(groups)
+        groups.destroy()
+    finally:
+        dist.destroy_process_group()
+    return graphs, labels
+
+
+def one_op(target: object, *shapes: tuple[int, ...], dtype: torch.dtype = torch.float32,
+           out: tuple[int, ...] | None = None, extra: tuple[object, ...] = ()) -> fx.Node:
+    """A graph ``op(placeholders..., *extra)`` whose nodes carry meta tensors of ``shapes``."""
+    g = fx.Graph()
+    args = []
+    for i, shape in enumerate(shapes):
+        p = g.placeholder(f"x{i}")
+        p.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
+        args.append(p)
+    node = g.call_function(target, (*args, *extra))
+    node.meta["val"] = torch.empty(out if out is not None else shapes[0], dtype=dtype, device="meta")
+    g.output(node)
+    return node
+
+
+# --- collective_seconds -------------------------------------------------------------------------
+
+def test_collective_zero_at_world_one() -> None:
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert collective_seconds(kind, 1 << 30, 1, H200) == 0.0
+
+
+def test_collective_grows_with_bytes_and_is_ring_shaped() -> None:
+    small, big = (collective_seconds("all_gather", n, 8, H200) for n in (1 << 20, 1 << 30))
+    assert small < big
+    expected = H200.collective_latency + 6 * H200.hop_latency + 7 / 8 * (1 << 30) / H200.intra_node_busbw
+    assert big == pytest.approx(expected)
+    assert collective_seconds("reduce_scatter", 1 << 30, 8, H200) == pytest.approx(big)
+    assert collective_seconds("all_reduce", 1 << 30, 8, H200) == pytest.approx(2 * big)
+
+
+def test_collective_less_with_more_bandwidth() -> None:
+    fast = dataclasses.replace(H200, intra_node_busbw=2 * H200.intra_node_busbw)
+    assert collective_seconds("all_gather", 1 << 28, 4, fast) < collective_seconds("all_gather", 1 << 28, 4, H200)
+
+
+def test_collective_intra_vs_inter_node() -> None:
+    per_byte = [collective_seconds("reduce_scatter", 1 << 30, w, H200) for w in (8, 16)]
+    assert per_byte[1] > 5 * per_byte[0]  # 16 ranks span two nodes: InfiniBand, not NVLink
+    inter = H200.collective_latency + 14 * H200.hop_latency + 15 / 16 * (1 << 30) / H200.inter_node_busbw
+    assert per_byte[1] == pytest.approx(inter)
+
+
+def test_collective_unknown_kind() -> None:
+    with pytest.raises(ValueError, match="all_gather"):
+        collective_seconds("broadcast", 1, 2, H200)
+
+
+# --- node_seconds -------------------------------------------------------------------------------
+
+def test_mm_flops_at_dtype_rate() -> None:
+    m, k, n = 4096, 8192, 2048
+    mm = one_op(aten.mm.default, (m, k), (k, n), dtype=torch.bfloat16, out=(m, n))
+    assert node_flops(mm) == 2 * m * n * k
+    assert node_seconds(mm, H200) == pytest.approx(2 * m * n * k / (H200.peak_flops_bf16 * H200.matmul_fraction))
+    mm32 = one_op(aten.mm.default, (m, k), (k, n), out=(m, n))
+    assert node_seconds(mm32, H200) == pytest.approx(2 * m * n * k / (H200.peak_flops_fp32 * H200.matmul_fraction))
+    slow_mm = dataclasses.replace(H200, op_fraction=(("mm", 0.4),))
+    assert node_seconds(mm, slow_mm) == pytest.approx(node_seconds(mm, H200) * H200.matmul_fraction / 0.4)
+
+
+def test_view_costs_nothing() -> None:
+    assert node_seconds(one_op(aten.view.default, (1024, 1024), out=(1 << 20,), extra=([1 << 20],)), H200) == 0.0
+    assert node_seconds(one_op(aten.permute.default, (64, 32), out=(32, 64), extra=([1, 0],)), H200) == 0.0
+
+
+def test_elementwise_is_memory_bound() -> None:
+    add = one_op(aten.add.Tensor, (1 << 20,), (1 << 20,))
+    assert node_flops(add) == 0
+    expected = 3 * (1 << 20) * 4 / (H200.memory_bandwidth * H200.memory_fraction)
+    assert node_seconds(add, H200) == pytest.approx(expected)
+
+
+# --- simulate -----------------------------------------------------------------------------------
+
+def slow_compute(hw: Hardware = H200) -> Hardware:
+    """Compute made slow (512 FLOP addmm = 512 us) so one unit's compute hides a 100 us all-gather."""
+    return dataclasses.replace(hw, peak_flops_fp32=1e6, matmul_fraction=1.0, collective_latency=100e-6)
+
+
+def test_simulate_is_deterministic() -> None:
+    graphs, _ = three_units()
+    for gm in graphs.values():
+        assert simulate(gm, H200) == simulate(gm, H200)
+
+
+def test_more_bandwidth_exposes_less() -> None:
+    graphs, _ = three_units()
+    for gm in graphs.values():
+        exposed = [simulate(gm, dataclasses.replace(H200, intra_node_busbw=bw)).exposed_comm_seconds
+                   for bw in (1e6, 1e9, 1e12, 1e15)]
+        assert exposed == sorted(exposed, reverse=True) and exposed[0] > exposed[-1]
+
+
+def test_prefetch_hides_all_gathers_and_holds_more_bytes() -> None:
+    hw = slow_compute()
+    none, _ = three_units(prefetch=0)
+    one, _ = three_units(prefetch=1)
+    t0, t1 = simulate(none["forward"], hw), simulate(one["forward"], hw)
+    # No prefetch: every all-gather is waited in full. Prefetch 1: only the first one.
+    assert t0.exposed_comm_seconds == pytest.approx(3 * 100e-6, rel=1e-3)
+    assert t1.exposed_comm_seconds == pytest.approx(100e-6, rel=1e-3)
+    assert t1.step_seconds < t0.step_seconds
+    assert t1.in_flight["all_gather"] > t0.in_flight["all_gather"]
+    assert simulate(one["backward"], hw).exposed_comm_seconds < simulate(none["backward"], hw).exposed_comm_seconds
+
+
+def _overlaps(tl: Timeline) -> bool:
+    comm = sorted((s for s in tl.spans if s.stream != "compute"), key=lambda s: s.start)
+    return any(b.start < a.end for a, b in zip(comm, comm[1:]))
+
+
+def test_shared_comm_stream_serialises() -> None:
+    graphs, _ = three_units()
+    bwd = graphs["backward"]
+    hw = dataclasses.replace(H200, collective_latency=1e-3)
+    separate = simulate(bwd, hw)
+    assert {"all_gather", "reduce_scatter"} <= set(separate.comm_seconds)
+    assert _overlaps(separate)  # unit 2's reduce-scatter runs beside unit 1's all-gather
+    launches = [n for n in bwd.graph.nodes if n.meta.get("fsdp", {}).get("stream") in ("all_gather", "reduce_scatter")]
+    saved = [n.meta["fsdp"]["stream"] for n in launches]
+    try:
+        for n in launches:
+            n.meta["fsdp"]["stream"] = "comm"
+        shared = simulate(bwd, hw)
+    finally:
+        for n, s in zip(launches, saved):
+            n.meta["fsdp"]["stream"] = s
+    assert set(shared.comm_seconds) == {"comm"} and not _overlaps(shared)
+    assert shared.step_seconds > separate.step_seconds
+    assert shared.comm_seconds["comm"] == pytest.approx(sum(separate.comm_seconds.values()))
+
+
+def test_summary() -> None:
+    graphs, _ = three_units()
+    s = simulate(graphs["forward"], slow_compute()).summary()
+    assert s["exposed_comm_pct"] == pytest.approx(100 * s["exposed_comm_seconds"] / s["step_seconds"])
+    assert s["peak_bytes_in_flight"] == {"all_gather": 576, "reduce_scatter": 0}
+
+
+# --- outputs ------------------------------------------------------------------------------------
+
+def test_chrome_trace_is_valid() -> None:
+    graphs, _ = three_units()
+    timelines = {name: simulate(gm, H200) for name, gm in graphs.items()}
+    trace = json.loads(json.dumps(chrome_trace(timelines)))
+    events = trace["traceEvents"]
+    assert {e["ph"] for e in events} == {"X", "M"}
+    procs = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    assert set(procs) == {"forward", "backward"}
+    threads = {(e["pid"], e["args"]["name"]): e["tid"] for e in events if e["name"] == "thread_name"}
+    assert set(threads) == {(procs["forward"], "compute"), (procs["forward"], "all_gather"),
+                            (procs["backward"], "compute"), (procs["backward"], "all_gather"),
+                            (procs["backward"], "reduce_scatter")}
+    assert len(set(threads.values())) == 3
+    for e in events:
+        if e["ph"] == "X":
+            assert e["dur"] > 0 and e["ts"] >= 0 and (e["pid"], e["tid"]) in {(p, t) for (p, _), t in threads.items()}
+
+
+def test_png_is_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    graphs, _ = three_units()
+    path = tmp_path / "timeline.png"
+    write_png({name: simulate(gm, H200) for name, gm in graphs.items()}, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class TableTest(TestCase):
+    def test_three_units_forward_h200(self) -> None:
+        graphs, labels = three_units()
+        fwd = graphs["forward"]
+        # Unit 1's all-gather queues behind unit 0's on the all-gather stream; on this tiny model every
+        # wait is exposed (a 15 us collective latency against nanoseconds of compute).
+        self.assertExpectedInline(table(fwd, simulate(fwd, H200), labels), """\
+order  node                      unit  collective  group  stream      bytes  est. start (us)  est. end (us)
+    0  pack (3 nodes)            0     all_gather  ag     compute                      0.000          0.000
+    1  all_gather_into_tensor_6  0     all_gather  ag     all_gather    288            0.000         15.000
+    2  pack (3 nodes)            1     all_gather  ag     compute                      0.000          0.000
+    3  all_gather_into_tensor_7  1     all_gather  ag     all_gather    288           15.000         30.001
+    4  wait_tensor_6             0     all_gather  ag     compute                      0.000         15.000
+    5  unpack (12 nodes)         0     all_gather  ag     compute                     15.000         15.001
+    6  addmm relu (3 nodes)                               compute                     15.001         15.001
+    7  pack (3 nodes)            2     all_gather  ag     compute                     15.001         15.001
+    8  all_gather_into_tensor_8  2     all_gather  ag     all_gather    288           30.001         45.001
+    9  wait_tensor_7             1     all_gather  ag     compute                     15.001         30.001
+   10  unpack (12 nodes)         1     all_gather  ag     compute                     30.001         30.001
+   11  addmm relu (3 nodes)                               compute                     30.001         30.001
+   12  wait_tensor_8             2     all_gather  ag     compute                     30.001         45.001
+   13  unpack (12 nodes)         2     all_gather  ag     compute                     45.001         45.001
+   14  addmm relu le (6 nodes)                            compute                     45.001         45.002""")
+
+
+# --- load_hardware ------------------------------------------------------------------------------
+
+def test_load_hardware_presets() -> None:
+    assert load_hardware() is H200
+    assert load_hardware("cpu").name == "cpu" and load_hardware("h100").memory_bandwidth == 3.35e12
+    with pytest.raises(ValueError, match="h200"):
+        load_hardware("tpu")
+
+
+def test_calibration_from_dict_and_file(tmp_path: Path) -> None:
+    hw = load_hardware("h200", {"intra_node_busbw": 300e9, "op_fraction": {"mm": 0.7}})
+    assert hw.intra_node_busbw == 300e9 and hw.fraction_of("mm", 0.0) == 0.7
+    assert hw.memory_bandwidth == H200.memory_bandwidth  # the rest from the preset
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"collective_latency": 25e-6}))
+    assert load_hardware("h100", path).collective_latency == 25e-6
+    write_calibration(hw, path)
+    assert load_hardware("cpu", path) == hw
+    example = Path(__file__).parent.parent / "benchmarks" / "calibration" / "example.json"
+    assert load_hardware("h200", example).name == "h200-measured"
+
+
+def test_calibration_rejects_unknown_and_bad_fields() -> None:
+    with pytest.raises(ValueError, match="intra_node_busbw"):  # the message lists valid fields
+        load_hardware("h200", {"nvlink_bw": 1.0})
+    with pytest.raises(ValueError, match="matmul_fraction"):
+        load_hardware("h200", {"matmul_fraction": 1.5})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,9 @@ from passes.streams import streams_pass
 from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
+from . import agreement
+from .dump import dump, report
+from .logs import log_schedule
 from .units import is_sharded
 
 __all__ = ["BackendOptions", "make_backend", "fsdp_backend", "observe_graphs"]
@@ -70,6 +74,9 @@ class BackendOptions:
     inductor: bool = True
     pin_order: bool = True
     elide_single_rank: bool = True
+    check_agreement: bool = True
+    agreement_timeout_s: float = 300.0
+    dump_dir: str | None = None
     disabled_passes: tuple[str, ...] = ()
     log_pass_diffs: bool = False
 
@@ -164,6 +171,12 @@ def _compile(
 ) -> Callable[..., Any]:
     gm = run_passes(gm, _passes(options), disabled=options.disabled_passes, log_diff=options.log_pass_diffs)
     kind = "backward" if is_backward else "inference" if is_inference else "forward"
+    if options.check_agreement:
+        agreement.check_agreement(gm, kind, timeout_s=options.agreement_timeout_s)
+    graph_id = next(_graph_ids)
+    log_schedule(kind, lambda: report(gm))
+    if options.dump_dir is not None:
+        dump(gm, options.dump_dir, f"{kind}_{graph_id}")
     for observer in _observers:
         observer(kind, gm)
     if not options.inductor:
@@ -179,7 +192,7 @@ def _compile(
             example_inputs,
             is_backward=is_backward,
             is_inference=is_inference,
-            graph_id=next(_graph_ids),
+            graph_id=graph_id,
         )
 
 
@@ -192,6 +205,9 @@ def make_backend(
     inductor: bool = True,
     pin_order: bool = True,
     elide_single_rank: bool = True,
+    check_agreement: bool = True,
+    agreement_timeout_s: float = 300.0,
+    dump_dir: str | os.PathLike[str] | None = None,
     disabled_passes: Sequence[str] = (),
     log_pass_diffs: bool = False,
 ) -> Any:
@@ -207,6 +223,10 @@ def make_backend(
     ``inductor=False`` runs the scheduled FX graphs without Inductor (for debugging).
     ``pin_order=False`` lets Inductor reorder collectives by its own memory heuristics (for comparison).
     ``elide_single_rank=False`` keeps the collectives of one-rank groups (for measuring their cost).
+    ``check_agreement``: before a compiled graph runs, compare its collective sequence with every peer
+    rank's and raise on a difference (NOTE [agreement]); a peer that compiles no such graph within
+    ``agreement_timeout_s`` raises too. ``dump_dir``: write each compiled graph's schedule (table,
+    Chrome trace, PNG timeline) there, one set of files per graph and rank.
     ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
@@ -219,6 +239,9 @@ def make_backend(
         inductor=inductor,
         pin_order=pin_order,
         elide_single_rank=elide_single_rank,
+        check_agreement=check_agreement,
+        agreement_timeout_s=agreement_timeout_s,
+        dump_dir=None if dump_dir is None else os.fspath(dump_dir),
         disabled_passes=tuple(disabled_passes),
         log_pass_diffs=log_pass_diffs,
     )

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import _world
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
 from fsdp_compile.sharding import _cast_hooks
@@ -135,6 +137,7 @@ class Case:
     device: str = "cpu"  # where the sharded run trains; the reference always runs on the CPU
     no_sync: bool = False  # all microbatches but the last run with set_requires_gradient_sync(False)
     count_collectives: bool = False  # profile each step to count its reduce-scatters (slower)
+    mesh: tuple[int, int] | None = None  # HSDP: a (replicate, shard) DeviceMesh instead of WORLD
 
     def build(self) -> nn.Module:
         torch.manual_seed(0)
@@ -255,7 +258,11 @@ def ref_slice(full: Tensor, rank: int, world: int) -> Tensor:
 def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
     """Train ``case`` sharded on this rank's slice of every global batch; also run the reference."""
     batches = make_batches(case, world)
-    groups = FsdpGroups.create(**case.group_kw)
+    if case.mesh is not None:
+        mesh = init_device_mesh(case.device, case.mesh, mesh_dim_names=("replicate", "shard"))
+        groups = FsdpGroups.create(mesh, **case.group_kw)
+    else:
+        groups = FsdpGroups.create(**case.group_kw)
     device = torch.device(case.device, torch.cuda.current_device()) if case.device == "cuda" else torch.device("cpu")
     model = shard_model(case.build().to(device), groups, case.root_kw, **case.shard_kw)
     if case.run == "fsdp":
@@ -267,6 +274,8 @@ def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
     opt = make_optimizer(case.optim, _trainable(model))
     losses, grads0, scatters = [], {}, []
     lo, hi = rank * case.per_rank_batch, (rank + 1) * case.per_rank_batch
+    n_groups = len(_world.pg_map)
+    shard_rank, shard_world = groups.all_gather.rank(), groups.shard_size
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, micro in enumerate(batches):
@@ -292,10 +301,12 @@ def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
         "losses": losses,
         "ref_losses": ref_losses,
         "grads0": grads0,
-        "ref_grads0": {n: ref_slice(ref_grads[n], rank, world) for n in grads0},
+        "ref_grads0": {n: ref_slice(ref_grads[n], shard_rank, shard_world) for n in grads0},
         "ref_grad_names": sorted(ref_grads),
         "warnings": [str(w.message) for w in caught],
         "reduce_scatters": scatters,
+        "groups": n_groups,
+        "shard_world": shard_world,
     }
 
 

@@ -1,0 +1,81 @@
+"""The cross-rank agreement check: a graph whose collectives differ across ranks never runs them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile.agreement import fingerprint
+from fsdp_compile.launch import RankFailure, run_ranks
+
+from .graph_utils import ThreeUnits, capture, shard_blocks_then_root
+
+
+class RankDependent(ThreeUnits):
+    """Rank 1 skips the middle unit: its graph issues different collectives."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if not (i == 1 and dist.get_rank() == 1):
+                x = torch.relu(layer(x))
+        return x
+
+
+def _run(model: nn.Module, **backend_kw: object) -> None:
+    compiled = torch.compile(model, backend=make_backend(inductor=False, **backend_kw))
+    compiled(torch.randn(4, 8)).sum().backward()
+
+
+def rank_dependent_branch(rank: int, world: int) -> None:
+    groups = FsdpGroups.create()
+    _run(shard_blocks_then_root(RankDependent(), groups))
+
+
+def one_rank_compiles(rank: int, world: int) -> None:
+    groups = FsdpGroups.create()
+    model = shard_blocks_then_root(ThreeUnits(), groups)
+    if rank == 0:
+        _run(model, agreement_timeout_s=3.0)
+
+
+def same_graph_everywhere(rank: int, world: int) -> None:
+    groups = FsdpGroups.create()
+    _run(shard_blocks_then_root(ThreeUnits(), groups))
+
+
+def test_rank_dependent_branch_raises_on_every_rank() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(rank_dependent_branch, 2, timeout=120)
+    message = str(info.value)
+    for rank in (0, 1):
+        assert f"--- rank {rank} raised" in message
+    assert message.count("differs across ranks") >= 2
+    assert "First difference at collective #" in message
+    assert time.monotonic() - start < 90  # seconds, not a hang (most of it is start-up and tracing)
+
+
+def test_a_rank_that_never_compiles_the_graph_times_out() -> None:
+    with pytest.raises(RankFailure, match=r"ranks \[1\] did not within 3s"):
+        run_ranks(one_rank_compiles, 2, timeout=120)
+
+
+def test_agreeing_ranks_run() -> None:
+    run_ranks(same_graph_everywhere, 2, timeout=120)
+
+
+def test_fingerprint_lists_collectives_in_order(groups: FsdpGroups) -> None:
+    graphs = capture(shard_blocks_then_root(ThreeUnits(), groups), torch.randn(4, 8))
+    fwd = fingerprint(graphs["forward"])
+    ag = groups.all_gather.group_name
+    assert fwd[:3] == [
+        f"all_gather_into_tensor(unit 0, group {ag}, float32[36])",
+        f"all_gather_into_tensor(unit 1, group {ag}, float32[36])",
+        "wait(all_gather_into_tensor, unit 0)",
+    ]
+    assert sum(e.startswith("reduce_scatter") for e in fingerprint(graphs["backward"])) == 3

@@ -39,7 +39,9 @@ from passes.streams import streams_pass
 from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
-from . import agreement
+from . import agreement, autotune
+from .autotune import Choice
+from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule
 from .units import is_sharded
@@ -68,7 +70,7 @@ class BackendOptions:
     """Settings of one backend made by :func:`make_backend` (see its docstring)."""
 
     schedule: str = "eager"
-    prefetch: int = 1
+    prefetch: int | str = 1
     prefetch_bytes: int | None = None
     reduce_scatter_bytes: int | str | None = "auto"
     inductor: bool = True
@@ -77,22 +79,39 @@ class BackendOptions:
     check_agreement: bool = True
     agreement_timeout_s: float = 300.0
     dump_dir: str | None = None
+    hardware: str | None = None
+    calibration: str | None = None
     disabled_passes: tuple[str, ...] = ()
     log_pass_diffs: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"make_backend: schedule={self.schedule!r}; use one of {SCHEDULES}")
-        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
-            raise ValueError(f"make_backend: prefetch={self.prefetch!r}; use an int >= 0 (units gathered ahead)")
+        if self.prefetch != "auto" and (
+            not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0
+        ):
+            raise ValueError(
+                f"make_backend: prefetch={self.prefetch!r}; use an int >= 0 (units gathered ahead) or 'auto'"
+            )
         for name in ("prefetch_bytes", "reduce_scatter_bytes"):
             value = getattr(self, name)
             if value is None or value == "auto" and name == "reduce_scatter_bytes":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"make_backend: {name}={value!r}; use a positive number of bytes or None")
+        unknown = set(self.disabled_passes) - set(PASS_NAMES)
+        if unknown:
+            raise ValueError(f"make_backend: disabled_passes {sorted(unknown)} match no pass; known: {list(PASS_NAMES)}")
+        self.cost_model()  # an unknown preset or a bad calibration file fails here, not at compile
+
+    def cost_model(self) -> Hardware:
+        """The hardware model behind estimates and ``"auto"``: the named preset, else this device's."""
+        if self.hardware is None and self.calibration is None:
+            return detect_hardware()
+        return load_hardware(self.hardware or detect_hardware(), self.calibration)
 
 
+PASS_NAMES = ("lower_unshard", "lower_reduce_grad", "bucket", "prefetch", "reduce_scatter", "streams")
 _graph_ids = itertools.count()
 _observers: list[Callable[[str, fx.GraphModule], None]] = []
 
@@ -147,18 +166,28 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-def _passes(options: BackendOptions) -> list[NamedPass]:
-    return [
-        NamedPass("lower_unshard", functools.partial(lower_unshard_pass, elide_single_rank=options.elide_single_rank)),
-        NamedPass("lower_reduce_grad", functools.partial(lower_reduce_grad_pass,
-                                                         elide_single_rank=options.elide_single_rank)),
-        NamedPass("bucket", bucket_pass),
-        NamedPass("prefetch", functools.partial(prefetch_pass, depth=options.prefetch,
-                                                max_bytes=options.prefetch_bytes)),
-        NamedPass("reduce_scatter", functools.partial(reduce_scatter_pass, schedule=options.schedule,
-                                                      max_bytes=options.reduce_scatter_bytes)),
-        NamedPass("streams", streams_pass),
-    ]
+def _lowering(options: BackendOptions) -> list[NamedPass]:
+    lower = functools.partial(lower_unshard_pass, elide_single_rank=options.elide_single_rank)
+    reduce = functools.partial(lower_reduce_grad_pass, elide_single_rank=options.elide_single_rank)
+    return [NamedPass("lower_unshard", lower), NamedPass("lower_reduce_grad", reduce), NamedPass("bucket", bucket_pass)]
+
+
+def _scheduling(options: BackendOptions, choice: Choice) -> list[NamedPass]:
+    prefetch = functools.partial(prefetch_pass, depth=choice.prefetch, max_bytes=options.prefetch_bytes)
+    scatter = functools.partial(reduce_scatter_pass, schedule=options.schedule, max_bytes=choice.reduce_scatter_bytes)
+    return [NamedPass("prefetch", prefetch), NamedPass("reduce_scatter", scatter), NamedPass("streams", streams_pass)]
+
+
+def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.GraphModule:
+    """All passes, in order; ``"auto"`` settings resolved on the bucketed graph with the cost model."""
+    skip, diff = options.disabled_passes, options.log_pass_diffs
+    gm = run_passes(gm, _lowering(options), disabled=skip, log_diff=diff, allow_unknown=True)
+    if options.prefetch == "auto" or (options.reduce_scatter_bytes == "auto" and options.hardware is not None):
+        choice = autotune.choose(gm, hw, prefetch=options.prefetch, prefetch_bytes=options.prefetch_bytes,
+                                 schedule=options.schedule, reduce_scatter_bytes=options.reduce_scatter_bytes)
+    else:
+        choice = Choice(prefetch=int(options.prefetch), reduce_scatter_bytes=options.reduce_scatter_bytes)
+    return run_passes(gm, _scheduling(options, choice), disabled=skip, log_diff=diff, allow_unknown=True)
 
 
 def _compile(
@@ -169,14 +198,15 @@ def _compile(
     is_backward: bool,
     is_inference: bool,
 ) -> Callable[..., Any]:
-    gm = run_passes(gm, _passes(options), disabled=options.disabled_passes, log_diff=options.log_pass_diffs)
+    hw = options.cost_model()
+    gm = _schedule(gm, options, hw)
     kind = "backward" if is_backward else "inference" if is_inference else "forward"
     if options.check_agreement:
         agreement.check_agreement(gm, kind, timeout_s=options.agreement_timeout_s)
     graph_id = next(_graph_ids)
-    log_schedule(kind, lambda: report(gm))
+    log_schedule(kind, lambda: report(gm, hw))
     if options.dump_dir is not None:
-        dump(gm, options.dump_dir, f"{kind}_{graph_id}")
+        dump(gm, options.dump_dir, f"{kind}_{graph_id}", hw)
     for observer in _observers:
         observer(kind, gm)
     if not options.inductor:
@@ -199,7 +229,7 @@ def _compile(
 def make_backend(
     *,
     schedule: str = "eager",
-    prefetch: int = 1,
+    prefetch: int | str = 1,
     prefetch_bytes: int | None = None,
     reduce_scatter_bytes: int | str | None = "auto",
     inductor: bool = True,
@@ -208,6 +238,8 @@ def make_backend(
     check_agreement: bool = True,
     agreement_timeout_s: float = 300.0,
     dump_dir: str | os.PathLike[str] | None = None,
+    hardware: str | None = None,
+    calibration: str | os.PathLike[str] | None = None,
     disabled_passes: Sequence[str] = (),
     log_pass_diffs: bool = False,
 ) -> Any:
@@ -216,17 +248,21 @@ def make_backend(
     ``schedule``: ``"eager"`` launches each unit's reduce-scatter as soon as its gradients exist (use
     with the dedicated reduce-scatter communicator of ``FsdpGroups``); ``"delayed"`` holds it until the
     next unit's backward all-gather is issued (the baseline, meant for ``dedicated="none"``).
-    ``prefetch``: units whose all-gather is issued ahead of use (0: none).
+    ``prefetch``: units whose all-gather is issued ahead of use (0: none); ``"auto"`` picks it with the
+    cost model (the smallest depth within 0.5% of the best estimated step).
     ``prefetch_bytes``: cap on bytes gathered but not yet used (``None``: only ``prefetch`` bounds it).
     ``reduce_scatter_bytes``: cap on reduce-scatter input bytes in flight; ``"auto"`` (default) keeps
-    about two buckets in flight; ``None`` lets every wait sink to the end of backward.
+    two buckets in flight, or, when ``hardware`` is named, picks the smallest cap within 0.5% of the
+    best estimated step; ``None`` lets every wait sink to the end of backward.
     ``inductor=False`` runs the scheduled FX graphs without Inductor (for debugging).
     ``pin_order=False`` lets Inductor reorder collectives by its own memory heuristics (for comparison).
     ``elide_single_rank=False`` keeps the collectives of one-rank groups (for measuring their cost).
     ``check_agreement``: before a compiled graph runs, compare its collective sequence with every peer
     rank's and raise on a difference (NOTE [agreement]); a peer that compiles no such graph within
     ``agreement_timeout_s`` raises too. ``dump_dir``: write each compiled graph's schedule (table,
-    Chrome trace, PNG timeline) there, one set of files per graph and rank.
+    Chrome trace, PNG timeline) there, one set of files per graph and rank. ``hardware`` (a preset of
+    ``cost.HARDWARE``; default: this device's) and ``calibration`` (a JSON of measured numbers) set the
+    cost model behind the estimated times in dumps, logs and ``"auto"`` settings.
     ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
@@ -242,6 +278,8 @@ def make_backend(
         check_agreement=check_agreement,
         agreement_timeout_s=agreement_timeout_s,
         dump_dir=None if dump_dir is None else os.fspath(dump_dir),
+        hardware=hardware,
+        calibration=None if calibration is None else os.fspath(calibration),
         disabled_passes=tuple(disabled_passes),
         log_pass_diffs=log_pass_diffs,
     )

@@ -335,3 +335,15 @@ def node_seconds(node: fx.Node, hw: Hardware) -> float:
         peak = hw.peak_flops_bf16 if dtype in _MATMUL_DTYPES_FAST else hw.peak_flops_fp32
         seconds = max(seconds, flops / (peak * hw.fraction_of(name, hw.matmul_fraction)))
     return seconds
+
+
+def detect_hardware() -> Hardware:
+    """The preset for this process's device: an H100/H200 by CUDA device name, else the CPU preset."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for key in ("h200", "h100"):
+            if key in name:
+                return HARDWARE[key]
+        return HARDWARE["h100"]
+    return HARDWARE["cpu"]
+

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch.distributed as dist
 from torch import fx
 
-from .schedule import listing
+from .cost import Hardware
+from .timeline import chrome_trace, simulate, table, write_png
 
 __all__ = ["report", "dump"]
 
@@ -17,15 +19,31 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def report(gm: fx.GraphModule) -> str:
-    """The schedule table of one compiled graph."""
-    return listing(gm)
+def report(gm: fx.GraphModule, hw: Hardware) -> str:
+    """The schedule table of one compiled graph with estimated times on ``hw``, and a summary."""
+    timeline = simulate(gm, hw)
+    s = timeline.summary()
+    return (
+        f"{table(gm, timeline)}\n"
+        f"estimated on {hw.name}: {1e3 * s['step_seconds']:.3f} ms, exposed communication "
+        f"{1e3 * s['exposed_comm_seconds']:.3f} ms ({s['exposed_comm_pct']:.1f}%), peak bytes in flight "
+        f"{s['peak_bytes_in_flight']}"
+    )
 
 
-def dump(gm: fx.GraphModule, directory: str | os.PathLike[str], name: str) -> list[Path]:
-    """Write ``gm``'s schedule under ``directory`` as ``<name>.rank<r>.txt``; return the paths."""
+def dump(gm: fx.GraphModule, directory: str | os.PathLike[str], name: str, hw: Hardware) -> list[Path]:
+    """Write ``gm``'s schedule under ``directory``: ``<name>.rank<r>.txt``, ``.json`` (Chrome trace) and
+    ``.png`` (timeline, when matplotlib is installed); return the paths written."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.rank{_rank()}.txt"
-    path.write_text(report(gm) + "\n")
-    return [path]
+    stem = f"{name}.rank{_rank()}"
+    timeline = simulate(gm, hw)
+    paths = [out / f"{stem}.txt", out / f"{stem}.json"]
+    paths[0].write_text(report(gm, hw) + "\n")
+    paths[1].write_text(json.dumps(chrome_trace({name: timeline})))
+    try:
+        write_png({name: timeline}, out / f"{stem}.png")
+        paths.append(out / f"{stem}.png")
+    except RuntimeError:
+        pass  # matplotlib is optional
+    return paths

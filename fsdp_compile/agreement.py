@@ -28,15 +28,21 @@ _sequence = itertools.count()
 
 
 def fingerprint(gm: fx.GraphModule) -> list[str]:
-    """The graph's collectives in order, one readable line each (what every rank must agree on)."""
+    """The graph's collectives in order, one readable line each (what every rank must agree on).
+
+    Groups are named by order of first use (``g0``, ``g1``, ...): with HSDP, peers use different
+    replicate groups of the same role, and what must match is which role each collective uses.
+    """
     out = []
+    roles: dict[str, str] = {}
     for n in gm.graph.nodes:
         if is_collective(n):
             val = n.args[0].meta.get("val")  # type: ignore[union-attr]
             shape = "x".join(map(str, val.shape)) if val is not None else "?"
             dtype = str(val.dtype).removeprefix("torch.") if val is not None else "?"
             unit = fsdp_meta(n).get("unit")
-            out.append(f"{n.target.__name__.split('.')[0]}(unit {unit}, group {n.args[-1]}, {dtype}[{shape}])")  # type: ignore[union-attr]
+            role = roles.setdefault(str(n.args[-1]), f"g{len(roles)}")
+            out.append(f"{n.target.__name__.split('.')[0]}(unit {unit}, group {role}, {dtype}[{shape}])")  # type: ignore[union-attr]
         elif is_wait(n):
             launch = waited_collective(n)
             out.append(f"wait({launch.target.__name__.split('.')[0]}, unit {fsdp_meta(launch).get('unit')})")  # type: ignore[union-attr]

@@ -12,6 +12,8 @@ and for gradients (each ``g_i`` already padded to ``W * m_i``)::
 
     cat(g_i.view(W, m_i) for i, dim=1) -> reduce_scatter_tensor -> wait_tensor -> [off_i : off_i + m_i]
 
+and, for HSDP, the all-reduces across replicas likewise (``cat -> all_reduce -> wait -> split``).
+
 Only collectives of one group, one dtype and one world size share a bucket, and members are packed in
 graph order, which is the same on every rank. The bucket is placed where its first member was (an
 all-gather) or where its last member was (a reduce-scatter); ``order.reorder`` then makes the graph
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor, fx
 
 from .order import reorder
-from .predicates import fsdp_meta, is_all_gather, is_reduce_scatter, wait_of
+from .predicates import fsdp_meta, is_all_gather, is_all_reduce, is_reduce_scatter, wait_of
 from .splice import splice
 
 __all__ = ["bucket_pass"]
@@ -37,7 +39,7 @@ c10d = torch.ops._c10d_functional
 def _bucket_key(launch: fx.Node) -> tuple:
     meta = fsdp_meta(launch)
     val = launch.args[0].meta["val"]  # type: ignore[union-attr]
-    return (meta.get("unit"), launch.args[-1], val.dtype, launch.args[-2])
+    return (meta.get("unit"), launch.args[-1], val.dtype, launch.args[-2], launch.target)
 
 
 def _groups(gm: fx.GraphModule, match: Callable[[fx.Node], bool]) -> list[list[fx.Node]]:
@@ -58,6 +60,14 @@ def _gather_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[...
     return fn
 
 
+def _reduce_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[..., list[Tensor]]:
+    def fn(*flats: Tensor) -> list[Tensor]:
+        out = c10d.wait_tensor(c10d.all_reduce(torch.cat(flats), "sum", group))
+        return list(out.split(list(sizes)))
+
+    return fn
+
+
 def _scatter_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[..., list[Tensor]]:
     def fn(*flats: Tensor) -> list[Tensor]:
         packed = torch.cat([f.view(world, -1) for f in flats], dim=1).reshape(-1)
@@ -71,12 +81,14 @@ def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: d
     waits = [wait_of(m) for m in members]
     inputs = [m.args[0] for m in members]
     assert all(isinstance(i, fx.Node) for i in inputs)
-    world, group = int(members[0].args[-2]), str(members[0].args[-1])  # type: ignore[arg-type]
+    reduce = is_all_reduce(members[0])
+    world = 1 if reduce else int(members[0].args[-2])  # type: ignore[arg-type]
+    group = str(members[0].args[-1])
     sizes = [int(i.meta["val"].numel()) // (1 if gather else world) for i in inputs]  # type: ignore[union-attr]
     meta = dict(fsdp_meta(members[0]))
     meta.pop("param", None)
     meta["params"] = [fsdp_meta(m).get("param") for m in members]
-    make = _gather_bucket if gather else _scatter_bucket
+    make = _gather_bucket if gather else _reduce_bucket if reduce else _scatter_bucket
     # An all-gather goes where its first member was; a reduce-scatter where its last one was, which
     # is after all its inputs (each member came right after its own input).
     anchor = members[0] if gather else members[-1]
@@ -114,6 +126,9 @@ def bucket_pass(gm: fx.GraphModule) -> fx.GraphModule:
         if len(members) > 1:
             _merge(gm, members, gather=True, hoist=hoist)
     for members in _groups(gm, is_reduce_scatter):
+        if len(members) > 1:
+            _merge(gm, members, gather=False, hoist=hoist)
+    for members in _groups(gm, is_all_reduce):  # HSDP: across replicas, after the reduce-scatter
         if len(members) > 1:
             _merge(gm, members, gather=False, hoist=hoist)
     reorder(gm.graph, before=hoist)

@@ -77,7 +77,9 @@ def lower_unshard_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True) ->
 
 
 def lower_reduce_grad_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True) -> fx.GraphModule:
-    """Replace each ``fsdp::reduce_grad`` with its own reduce-scatter on the reduce-scatter group.
+    """Replace each ``fsdp::reduce_grad`` with its own reduce-scatter on the reduce-scatter group and,
+    for HSDP, an all-reduce across replicas on the replicate group (tagged ``all_reduce``: its own
+    region, bucketed and scheduled by itself).
 
     ``elide_single_rank`` as in :func:`lower_unshard_pass`.
     """
@@ -85,21 +87,27 @@ def lower_reduce_grad_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True
         if not is_reduce_grad(node):
             continue
         a = ReduceGradArgs.of(node)
+        meta = {"unit": a.unit, "param": a.name, "ag_group": a.ag_group, "rs_group": a.rs_group,
+                "replicate_group": a.replicate_group}
 
-        def reduce(grad: Tensor, a: ReduceGradArgs = a) -> Tensor:
-            return reduce_flat(grad.reshape(-1), a, elide=elide_single_rank)
+        def scatter(grad: Tensor, a: ReduceGradArgs = a) -> Tensor:
+            g = scatter_shard(grad.reshape(-1), a, elide=elide_single_rank)
+            return g if a.replicate_group else finish(g, a)
 
-        (out,) = splice(gm.graph, reduce, [a.grad], before=node,
-                        meta={"unit": a.unit, "param": a.name, "kind": "reduce_scatter",
-                              "ag_group": a.ag_group, "rs_group": a.rs_group,
-                              "replicate_group": a.replicate_group})
+        (out,) = splice(gm.graph, scatter, [a.grad], before=node, meta={**meta, "kind": "reduce_scatter"})
+        if a.replicate_group:
+
+            def replicate(g: Tensor, a: ReduceGradArgs = a) -> Tensor:
+                return finish(c10d.wait_tensor(c10d.all_reduce(g, "sum", a.replicate_group)), a)
+
+            (out,) = splice(gm.graph, replicate, [out], before=node, meta={**meta, "kind": "all_reduce"})
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm
 
 
-def reduce_flat(flat: Tensor, a: ReduceGradArgs, *, elide: bool = True) -> Tensor:
-    """The reduce-scatter of one full flat gradient into its shard (also used per bucket slot)."""
+def scatter_shard(flat: Tensor, a: ReduceGradArgs, *, elide: bool = True) -> Tensor:
+    """Cast, pad (NOTE [padding]) and sum-reduce-scatter one full flat gradient: this rank's rows."""
     g = cast(flat, a.reduce_dtype)
     shard_numel = 1
     for s in a.shard_shape:
@@ -107,15 +115,12 @@ def reduce_flat(flat: Tensor, a: ReduceGradArgs, *, elide: bool = True) -> Tenso
     padded = shard_numel * a.world_size
     if g.numel() < padded:
         g = torch.nn.functional.pad(g, (0, padded - g.numel()))
-    g = scatter_flat(g, a.world_size, a.rs_group, elide=elide)
-    if a.replicate_group:
-        g = c10d.wait_tensor(c10d.all_reduce(g, "sum", a.replicate_group))
+    return scatter_flat(g, a.world_size, a.rs_group, elide=elide)
+
+
+def finish(g: Tensor, a: ReduceGradArgs) -> Tensor:
+    """Average a summed shard gradient over every data-parallel rank and shape it as the shard."""
     ranks = a.world_size * max(a.replicate_size, 1)
     if ranks > 1:
         g = g / ranks
     return cast(g, a.out_dtype).view(a.shard_shape)
-
-
-def annotate(node: fx.Node, **kv: object) -> None:
-    """Merge ``kv`` into a node's ``meta["fsdp"]``."""
-    fsdp_meta(node).update(kv)

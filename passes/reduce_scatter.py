@@ -10,6 +10,10 @@ An unwaited reduce-scatter keeps its input, a full-size gradient bucket, alive. 
 input bytes in flight: before a launch that would pass it, the oldest waits are pulled in, just before
 that launch. A single bucket larger than the cap still runs, alone in flight.
 
+HSDP: the all-reduce across replicas that follows a unit's reduce-scatter is launched right after
+that reduce-scatter's wait, which is pulled in before the next reduce-scatter launch (so the
+all-reduce runs under the next unit's backward); the all-reduce waits sink to the end.
+
 ``schedule="delayed"`` (the seed's baseline, meant for one communicator): a unit's reduce-scatter is
 held back until the next unit's backward begins (just before the first use of the next all-gather's
 params, so after that all-gather was issued and waited), as eager FSDP's pre-backward hook flushes
@@ -22,7 +26,7 @@ from __future__ import annotations
 from torch import fx
 
 from .order import positions, reorder
-from .regions import regions
+from .regions import Region, regions
 
 __all__ = ["reduce_scatter_pass"]
 
@@ -50,10 +54,20 @@ def reduce_scatter_pass(
     end = float(len(index))
     ready = {id(r): max((index[i] for i in r.inputs), default=0) for r in scatters}
     gather_uses = sorted((min(index[u] for u in r.users), r.unit) for r in regions(gm, "all_gather") if r.users)
+    follow_up = _replica_follow_ups(scatters, regions(gm, "all_reduce"))
     order = sorted(scatters, key=lambda r: ready[id(r)])
     keys: dict[fx.Node, float] = {}
-    in_flight: list[tuple[int, list[fx.Node]]] = []  # (input bytes, [wait, *epilogue]) by launch
+    in_flight: list[Region] = []  # launched, not waited, in launch order
+    replicating: list[Region] = []  # HSDP all-reduces launched, not waited
     cap = float("inf") if max_bytes is None else max_bytes
+
+    def retire(r: Region, at: float) -> None:
+        _place(keys, [r.wait, *r.epilogue], at)
+        if id(r) in follow_up:  # HSDP: the all-reduce across replicas goes right after
+            ar = follow_up[id(r)]
+            _place(keys, [*ar.prologue, ar.launch], at + 0.05)
+            replicating.append(ar)
+
     for i, r in enumerate(order):
         launch_at = ready[id(r)] + 0.5
         if schedule == "delayed":
@@ -62,17 +76,35 @@ def reduce_scatter_pass(
             later = [p for p, unit in gather_uses if p > ready[id(r)] and unit != r.unit]
             launch_at = later[0] - 0.1 if later else end - 0.5
         launch_at += 0.05 * i / len(order)  # launch order = readiness order, however many units
-        while in_flight and sum(b for b, _ in in_flight) + r.in_bytes > cap:
-            _, waiting = in_flight.pop(0)
-            _place(keys, waiting, launch_at - 0.25)
+        # Pull in the oldest waits while the cap is passed, and (HSDP) every wait an all-reduce
+        # follows, so that all-reduce overlaps the next unit's backward instead of the end.
+        while in_flight and (sum(x.in_bytes for x in in_flight) + r.in_bytes > cap or id(in_flight[0]) in follow_up):
+            retire(in_flight.pop(0), launch_at - 0.25)
         _place(keys, [*r.prologue, r.launch], launch_at)
-        in_flight.append((r.in_bytes, [r.wait, *r.epilogue]))
+        in_flight.append(r)
     # The rest wait together right before the outputs: first every wait, then every unpack.
-    for j, (_, waiting) in enumerate(in_flight):
-        keys[waiting[0]] = end + j * 1e-3
-        _place(keys, waiting[1:], end + 1 + j * 1e-3)
+    for j, r in enumerate(in_flight):
+        keys[r.wait] = end + j * 1e-3
+        if id(r) in follow_up:
+            retire(r, end + j * 1e-3)
+        else:
+            _place(keys, r.epilogue, end + 1 + j * 1e-3)
+    for j, ar in enumerate(replicating):
+        keys[ar.wait] = end + 2 + j * 1e-3
+        _place(keys, ar.epilogue, end + 3 + j * 1e-3)
     reorder(gm.graph, keys)
     return gm
+
+
+def _replica_follow_ups(scatters: list[Region], replicas: list[Region]) -> dict[int, Region]:
+    """HSDP: for each reduce-scatter region, the all-reduce region that reads its result."""
+    owner = {n: r for r in scatters for n in [r.wait, *r.epilogue]}
+    out: dict[int, Region] = {}
+    for ar in replicas:
+        sources = {id(owner[i]) for i in ar.inputs if i in owner}
+        for source in sources:
+            out[source] = ar
+    return out
 
 
 def _place(keys: dict[fx.Node, float], nodes: list[fx.Node], key: float) -> None:

@@ -61,3 +61,14 @@ def test_activation_checkpointing() -> None:
 
 def test_graph_breaks_between_units() -> None:
     check(run_ranks(train_case, 2, Case(model="llama-break", steps=4)), steps=4)
+
+
+@pytest.mark.slow
+def test_hsdp_2x2() -> None:
+    """4 ranks as (replicate 2, shard 2): all-gathers and reduce-scatters over the shard dimension,
+    gradients all-reduced across replicas. Groups on each rank: WORLD, the mesh's replicate and shard
+    groups, and one dedicated reduce-scatter communicator for this rank's shard group: four."""
+    case = Case(mesh=(2, 2), steps=4)
+    results = run_ranks(train_case, 4, case)
+    check(results, steps=case.steps)
+    assert all(r["groups"] == 4 and r["shard_world"] == 2 for r in results)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from expecttest import TestCase
 from torch._inductor.utils import run_and_get_code
+from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, make_backend
@@ -382,6 +383,62 @@ class ScheduleTest(TestCase):
 8  wait            unit 1  ag     all_gather
 9  unpack          unit 1  ag
 10 compute         mm sum le where  (19 nodes)""")
+
+
+class HsdpScheduleTest(TestCase):
+    def setUp(self) -> None:
+        torch._dynamo.reset()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+
+    def test_hsdp_2x2(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        groups = FsdpGroups.create(mesh)
+        torch.manual_seed(0)
+        graphs = capture(shard_blocks_then_root(ThreeUnits(), groups), torch.randn(4, 8))
+        # HSDP on (replicate 2, shard 2): each unit's reduce-scatter (on "rs", shard dimension) is
+        # followed by one bucketed all-reduce across replicas ("rep"), launched as soon as the
+        # reduce-scatter's wait (pulled in before the next unit's launch); their waits sink to the end.
+        self.assertExpectedInline(listing(graphs["backward"], group_labels(groups)), """\
+0  compute         where  (2 nodes)
+1  pack            unit 2  ag
+2  all_gather      unit 2  ag     all_gather      256 B
+3  pack            unit 1  ag
+4  all_gather      unit 1  ag     all_gather      256 B
+5  wait            unit 2  ag     all_gather
+6  unpack          unit 2  ag
+7  compute         mm sum  (9 nodes)
+8  pack            unit 2  rs
+9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
+10 compute         le where  (4 nodes)
+11 wait            unit 1  ag     all_gather
+12 unpack          unit 1  ag
+13 compute         mm sum  (9 nodes)
+14 wait            unit 2  rs     reduce_scatter
+15 unpack          unit 2  rs
+16 pack            unit 2  rep
+17 all_reduce      unit 2  rep    replicate       144 B
+18 pack            unit 1  rs
+19 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+20 compute         le where mm sum  (10 nodes)
+21 wait            unit 1  rs     reduce_scatter
+22 unpack          unit 1  rs
+23 pack            unit 1  rep
+24 all_reduce      unit 1  rep    replicate       144 B
+25 pack            unit 0  rs
+26 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+27 wait            unit 0  rs     reduce_scatter
+28 unpack          unit 0  rs
+29 pack            unit 0  rep
+30 all_reduce      unit 0  rep    replicate       144 B
+31 wait            unit 2  rep    replicate
+32 wait            unit 1  rep    replicate
+33 wait            unit 0  rep    replicate
+34 unpack          unit 2  rep
+35 unpack          unit 1  rep
+36 unpack          unit 0  rep""")
 
 
 _LAUNCH = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ._compat import queue_end_of_backward
 from .ops import reduce_full_grad
 from .units import ShardedParam, Unit, units_under
 
@@ -36,7 +37,7 @@ def _on_accumulated(sp: ShardedParam) -> None:
     unit.pending = True
     if unit.requires_grad_sync and not unit.flush_queued:
         unit.flush_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush(unit))
+        queue_end_of_backward(lambda: _flush(unit))
 
 
 def _flush(unit: Unit) -> None:

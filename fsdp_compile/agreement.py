@@ -22,6 +22,8 @@ from torch import fx
 
 from passes.predicates import fsdp_meta, is_collective, is_wait, waited_collective
 
+from ._compat import default_store, resolve_group
+
 __all__ = ["fingerprint", "check_agreement"]
 
 _sequence = itertools.count()
@@ -53,7 +55,7 @@ def _peers(gm: fx.GraphModule) -> list[int]:
     ranks: set[int] = set()
     for n in gm.graph.nodes:
         if is_collective(n):
-            group = dist.distributed_c10d._resolve_process_group(str(n.args[-1]))
+            group = resolve_group(str(n.args[-1]))
             ranks.update(dist.get_process_group_ranks(group))
     return sorted(ranks)
 
@@ -67,7 +69,7 @@ def check_agreement(gm: fx.GraphModule, kind: str, *, timeout_s: float = 300.0) 
     if len(peers) <= 1:
         return
     me = dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     key = f"fsdp_compile/agreement/{seq}"
     mine = fingerprint(gm)
     store.set(f"{key}/{me}", json.dumps({"kind": kind, "collectives": mine}))

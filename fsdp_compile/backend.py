@@ -23,11 +23,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.compile_fx import compile_fx_inner
-from torch._inductor.decomposition import select_decomp_table
 from torch.utils.checkpoint import CheckpointPolicy
 
 from passes import NamedPass, run_passes
@@ -40,6 +35,14 @@ from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
 from . import agreement, autotune
+from ._compat import (
+    aot_autograd,
+    compile_fx_inner,
+    inductor_config_patch,
+    make_boxed_func,
+    min_cut_rematerialization_partition,
+    select_decomp_table,
+)
 from .autotune import Choice
 from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
@@ -216,7 +219,7 @@ def _compile(
     # generated code issues collectives and waits in the FX order (tests/test_schedules.py checks
     # the emitted code). Patched per compile, never globally.
     patches = {"reorder_for_peak_memory": False} if options.pin_order else {}
-    with torch._inductor.config.patch(patches):
+    with inductor_config_patch(patches):
         return compile_fx_inner(
             gm,
             example_inputs,

@@ -27,6 +27,8 @@ from torch.utils.flop_counter import flop_registry
 
 from passes.predicates import is_all_gather, is_all_reduce, is_collective, is_reduce_scatter, is_wait, tensor_bytes
 
+from ._compat import resolve_group
+
 __all__ = [
     "Hardware",
     "HARDWARE",
@@ -221,9 +223,7 @@ def collective_world(launch: fx.Node) -> int:
     if is_reduce_scatter(launch):
         return int(launch.args[2])  # type: ignore[arg-type]
     try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return _resolve_process_group(str(launch.args[-1])).size()
+        return resolve_group(str(launch.args[-1])).size()
     except Exception:  # group gone (graph read after the run): an emitted all-reduce has >= 2 ranks
         return 2
 

@@ -6,9 +6,10 @@ import logging
 from collections.abc import Callable
 
 import torch._logging
-from torch._logging._internal import getArtifactLogger
 
 import fsdp_compile_torch_logs
+
+from ._compat import getArtifactLogger
 
 __all__ = ["log_schedule"]
 

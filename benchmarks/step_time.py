@@ -1,0 +1,451 @@
+"""Side-by-side training step time of fsdp-compile, FSDP2 and plain ``torch.compile``, in one run.
+
+Every variant trains its own copy of one model (same seed) on the same batch. On every rank: build all
+variants; run each one's first step alone, timed as its *cold compile* (Inductor caches off:
+``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` unless set to 0); warm up; then ``rounds`` rounds in which each
+variant runs ``steps`` timed steps in turn, so machine noise hits all alike. A step is forward, loss,
+backward, ``AdamW.step``, ``zero_grad``; its time is the slowest rank's.
+
+Per variant: median step time, global tokens/s, MFU (GPU: ``FlopCounterMode`` FLOPs of a step of the
+unsharded model / time / peak), memory (*state*: this rank's params + optimizer state; *peak*: above what
+was resident before the variant's timed steps, by ``max_memory_allocated`` on GPU or by sampling the
+process RSS on CPU: the transient working memory), cold compile time, and *comm wait*: on GPU the
+exposed NCCL time (no compute kernel running) per step, from a profiler trace (``benchmarks.overlap``);
+on CPU the share of the step the training thread is blocked (wall - its CPU time - its run-queue delay
+from ``/proc/thread-self/schedstat``), i.e. in collective waits. (Not from a CPU profiler trace: FSDP2's
+``Work.wait()`` is no profiled op there, so its waits would go uncounted.)
+
+CPU:   python -m benchmarks.step_time --preset cpu             (spawns --ranks gloo ranks)
+GPUs:  torchrun --nproc-per-node=8 -m benchmarks.step_time --preset gpu-llama-4096
+       python -m benchmarks.step_time --preset h200-mlp --spawn 1
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # before torch is imported, so that every compile is cold
+    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import argparse
+import datetime
+import json
+import re
+import shlex
+import socket
+import statistics
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.models import (PRESETS, VARIANTS, Batch, CudaPeak, ModelSpec, RssSampler, Runner, SharedGroups,
+                               build_variant, make_batch, peak_flops_for, raise_recompile_limit, train_flops,
+                               unavailable_reason)
+from fsdp_compile.launch import run_ranks
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Everything one run needs; ``parse_args`` builds it from the command line."""
+
+    spec: ModelSpec = PRESETS["cpu"]
+    preset: str | None = "cpu"
+    variants: tuple[str, ...] = VARIANTS
+    warmup: int = 3
+    rounds: int = 5
+    steps: int = 5
+    seed: int = 0
+    profile_steps: int = 3
+    device: str = "cpu"
+    ranks: int = 2
+    spawn: int | None = None
+    peak_flops: float | None = None
+    json_path: str | None = None
+    png_path: str | None = None
+    png: bool = True
+    timeout_s: float = 3600.0
+    command: str = ""
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+@dataclass(frozen=True)
+class VariantRun:
+    """One rank's measurements of one variant (``reason`` set: not measured, and why)."""
+
+    name: str
+    reason: str | None = None
+    first_step_s: float = 0.0
+    step_s: tuple[float, ...] = ()
+    blocked: tuple[float, ...] = ()
+    peak_bytes: int | None = None
+    state_bytes: int | None = None
+    comm_share: float | None = None
+    late_graphs: int = 0  # graphs Dynamo compiled during the timed steps (should be 0)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank measured, plus where it ran."""
+
+    rank: int
+    world: int
+    device_name: str
+    hostname: str
+    torch_version: str
+    nccl_version: str | None
+    flops: int
+    runs: tuple[VariantRun, ...]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One table row: a variant over all ranks (step time per step = slowest rank's)."""
+
+    name: str
+    reason: str | None
+    step_s: tuple[float, ...] = ()
+    median_ms: float = float("nan")
+    min_ms: float = float("nan")
+    max_ms: float = float("nan")
+    tokens_per_s: float = float("nan")
+    mfu: float | None = None
+    state_mib: float | None = None
+    peak_mib: float | None = None
+    cold_s: float = float("nan")
+    comm_share: float | None = None
+    late_graphs: int = 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> BenchOptions:
+    """Command line -> options; model flags override the preset's values."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_time", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model shapes (default: cpu, or none with --model)")
+    p.add_argument("--model", choices=["llama", "mlp"])
+    for name in ("dim", "layers", "heads", "vocab", "seq", "batch", "tokens"):
+        p.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the preset)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="parameter dtype of every variant")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    for flag, default, what in (("warmup", 3, "warm-up steps per variant"), ("rounds", 5, "rounds"),
+                                ("steps", 5, "timed steps per variant per round"), ("seed", 0, "model seed"),
+                                ("profile-steps", 3, "GPU: profiled steps per variant (0: skip)")):
+        p.add_argument(f"--{flag}", type=int, default=default, help=what)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--ranks", type=int, default=2, help="CPU: gloo ranks to spawn")
+    p.add_argument("--spawn", type=int, help="GPU without torchrun: NCCL ranks to spawn (default 1)")
+    p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (overrides the table)")
+    p.add_argument("--json", help="results file (default: benchmarks/results/step_time-<preset>-<device>-w<N>.json)")
+    p.add_argument("--png", help="bar chart (default: the JSON path with .png)")
+    p.add_argument("--no-png", action="store_true")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before spawned ranks are killed")
+    ns = p.parse_args(argv)
+    preset = ns.preset or (None if ns.model else "cpu")
+    spec = PRESETS[preset] if preset else ModelSpec(kind=ns.model)
+    given = {k: getattr(ns, k) for k in ("dim", "layers", "heads", "vocab", "seq", "batch", "tokens", "dtype")}
+    spec = replace(spec, **{k: v for k, v in given.items() if v is not None}, kind=ns.model or spec.kind)
+    variants = tuple(v.strip() for v in ns.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    if min(ns.rounds, ns.steps) < 1 or min(ns.warmup, ns.profile_steps) < 0:
+        p.error("--rounds and --steps must be >= 1, --warmup and --profile-steps >= 0")
+    device = ns.device if ns.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    return BenchOptions(
+        spec=spec, preset=preset, variants=variants, warmup=ns.warmup, rounds=ns.rounds, steps=ns.steps,
+        seed=ns.seed, profile_steps=ns.profile_steps, device=device, ranks=ns.ranks, spawn=ns.spawn,
+        peak_flops=ns.peak_tflops * 1e12 if ns.peak_tflops else None, json_path=ns.json, png_path=ns.png,
+        png=not ns.no_png, timeout_s=ns.timeout, command=shlex.join(getattr(sys, "orig_argv", sys.argv)))
+
+
+def _guarded(fn: Callable[[], Any]) -> str | None:
+    """Run ``fn``; return the first error any rank met (all ranks then drop the variant alike), or ``None``."""
+    error = None
+    try:
+        fn()
+    except Exception as e:  # a variant that fails (e.g. on an older torch) is reported, not fatal
+        error = f"failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def _profiled_comm_share(runner: Runner, spec: ModelSpec, batch: Batch, steps: int) -> float | None:
+    """GPU: median exposed-communication share of ``steps`` profiled steps (``benchmarks.overlap``)."""
+    from benchmarks.overlap import analyze, load_trace, profile_steps
+    with tempfile.TemporaryDirectory() as tmp:
+        path = profile_steps(lambda: runner.step(spec, batch), steps=steps, warmup=1, out_path=Path(tmp) / "t.json")
+        return analyze(load_trace(path)).median.exposed_comm_share
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
+
+
+@dataclass
+class _Measured:
+    """Per variant, this rank's step times, blocked shares and transient memory peak."""
+
+    times: list[float] = field(default_factory=list)
+    blocked: list[float] = field(default_factory=list)
+    peak: int | None = None
+    late_graphs: int = 0
+
+
+def _build_all(names: Sequence[str], opts: BenchOptions, shared: SharedGroups,
+               reasons: dict[str, str]) -> dict[str, Runner]:
+    """Every available variant's model, each built from the same seed; failures go to ``reasons``."""
+    runners: dict[str, Runner] = {}
+    for n in names:
+        if n not in reasons:
+            err = _guarded(lambda n=n: runners.__setitem__(n, build_variant(n, opts.spec, shared, opts.seed)))
+            if err:
+                reasons[n] = err
+    return runners
+
+
+def _cold_steps(runners: dict[str, Runner], batch: Batch, opts: BenchOptions, reasons: dict[str, str],
+                bar: Any, per_variant: int) -> dict[str, float]:
+    """Each variant's first step (its compile), one variant at a time; a failed variant is dropped."""
+    first: dict[str, float] = {}
+    for n in list(runners):
+        bar.set_description(f"first step {n}")
+        err = _guarded(lambda n=n: first.__setitem__(n, runners[n].timed_step(opts.spec, batch, opts.cuda)[0]))
+        if err:
+            reasons[n] = err
+            del runners[n]
+        bar.update(per_variant if err else 1)
+    return first
+
+
+def _timed_rounds(runners: dict[str, Runner], batch: Batch, opts: BenchOptions, bar: Any) -> dict[str, _Measured]:
+    """Warm-up, then ``rounds`` rounds in which every variant runs ``steps`` timed steps in turn."""
+    cuda = opts.cuda
+    for n, runner in runners.items():
+        bar.set_description(f"warm-up {n}")
+        for _ in range(opts.warmup):
+            runner.step(opts.spec, batch)
+            bar.update()
+    out = {n: _Measured() for n in runners}
+    for r in range(opts.rounds):
+        for n, runner in runners.items():
+            bar.set_description(f"round {r + 1}/{opts.rounds} {n}")
+            graphs = _graphs_compiled()
+            with CudaPeak() if cuda else RssSampler() as probe:
+                for _ in range(opts.steps):
+                    wall, blk = runner.timed_step(opts.spec, batch, cuda)
+                    out[n].times.append(wall)
+                    out[n].blocked.append(blk)
+                    bar.update()
+            out[n].late_graphs += _graphs_compiled() - graphs
+            if probe.growth is not None:
+                out[n].peak = max(out[n].peak or 0, probe.growth)
+    return out
+
+
+def _comm_shares(runners: dict[str, Runner], measured: dict[str, _Measured], batch: Batch, opts: BenchOptions,
+                 bar: Any) -> dict[str, float | None]:
+    """GPU: exposed-communication share from a profiled trace; CPU: median blocked share of the timed steps."""
+    if not opts.cuda:
+        return {n: statistics.median(m.blocked) for n, m in measured.items()}
+    shares: dict[str, float | None] = {}
+    for n, runner in runners.items():
+        bar.set_description(f"profile {n}")
+        shares[n] = _profiled_comm_share(runner, opts.spec, batch, opts.profile_steps) if opts.profile_steps else None
+        bar.update(opts.profile_steps + 1)
+    return shares
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run_rank(rank: int, world: int, opts: BenchOptions) -> list[RankReport] | None:
+    """Measure every variant on this rank (process group initialised); rank 0 returns all ranks' reports."""
+    from tqdm import tqdm
+    for noise in ("dynamo_pgo force disabled", ".*Profiler clears events"):
+        warnings.filterwarnings("ignore", message=noise)
+    cuda = opts.cuda
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    raise_recompile_limit(len(opts.variants))
+    torch.compile(lambda x: (x * 2).sum())(torch.ones(4, device=device))  # one-time Inductor set-up
+    batch = make_batch(opts.spec, seed=opts.seed + 1 + rank, device=device)
+    shared = SharedGroups(device, world)
+    reasons = {n: r for n in opts.variants if (r := unavailable_reason(n, world))}
+    runners = _build_all(opts.variants, opts, shared, reasons)
+    per_variant = 1 + opts.warmup + opts.rounds * opts.steps + (opts.profile_steps + 1) * cuda
+    bar = tqdm(total=len(runners) * per_variant, disable=rank != 0, unit="step", desc="step_time")
+    first = _cold_steps(runners, batch, opts, reasons, bar, per_variant)
+    measured = _timed_rounds(runners, batch, opts, bar)
+    comm = _comm_shares(runners, measured, batch, opts, bar)
+    bar.close()
+    runs = tuple(
+        VariantRun(n, reason=reasons[n]) if n in reasons else
+        VariantRun(n, first_step_s=first[n], step_s=tuple(measured[n].times), blocked=tuple(measured[n].blocked),
+                   peak_bytes=measured[n].peak, state_bytes=runners[n].state_bytes(), comm_share=comm[n],
+                   late_graphs=measured[n].late_graphs)
+        for n in opts.variants)
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    report = RankReport(rank, world, _device_name(device), socket.gethostname(), torch.__version__, nccl,
+                        train_flops(opts.spec), runs)
+    shared.destroy()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, report)
+    return gathered if rank == 0 else None
+
+
+def summarize(reports: Sequence[RankReport], opts: BenchOptions) -> list[Summary]:
+    """One row per requested variant; a step's time is the slowest rank's."""
+    world, flops = len(reports), reports[0].flops
+    peak = peak_flops_for(reports[0].device_name, opts.spec.dtype, opts.peak_flops) if opts.cuda else None
+    rows = []
+    for i, run0 in enumerate(reports[0].runs):
+        runs = [r.runs[i] for r in reports]
+        if run0.reason:
+            rows.append(Summary(run0.name, run0.reason))
+            continue
+        steps = tuple(max(col) for col in zip(*(r.step_s for r in runs)))
+        med = statistics.median(steps)
+        shares = [r.comm_share for r in runs if r.comm_share is not None]
+        peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
+        rows.append(Summary(
+            run0.name, None, steps, 1e3 * med, 1e3 * min(steps), 1e3 * max(steps),
+            opts.spec.tokens_per_rank * world / med, flops / med / peak if peak else None,
+            max(r.state_bytes or 0 for r in runs) / 2**20, max(peaks) / 2**20 if peaks else None,
+            max(r.first_step_s for r in runs), statistics.mean(shares) if shares else None,
+            max(r.late_graphs for r in runs)))
+    return rows
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "–" if value is None or value != value else f"{value * scale:{spec}}{suffix}"
+
+
+_GPU_NOTE = ("by torch.cuda.max_memory_allocated; comm wait = exposed NCCL time (no compute kernel running) "
+             "per step, from a profiler trace.")
+_CPU_NOTE = ("on CPU the transient working memory (process RSS sampled by a thread); comm wait = share of the "
+             "step the training thread was blocked (neither running nor waiting for a CPU: collective waits).")
+
+
+def markdown_table(rows: Sequence[Summary], world: int, cuda: bool) -> str:
+    """The results table, then one line per unavailable variant and how memory/comm wait were measured."""
+    done = [r for r in rows if r.reason is None]
+    base = done[0] if done else None
+    ref = next((r for r in done if r.name == "compile"), None) if world == 1 else None
+    head = ["variant", "median ms", f"vs {base.name if base else '-'}"] + (["vs compile"] if ref else [])
+    head += ["tokens/s", "MFU", "state MiB", "peak MiB", "cold compile s", "comm wait"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ratios = [r.median_ms / x.median_ms if r.reason is None else None for x in (base, ref) if x is not None]
+        cells = [r.name, _fmt(r.median_ms, ".1f")] + [_fmt(x, ".2f", suffix="x") for x in ratios]
+        cells += [_fmt(r.tokens_per_s, ",.0f"), _fmt(r.mfu, ".1f", 100, "%"), _fmt(r.state_mib, ".1f"),
+                  _fmt(r.peak_mib, ".1f"), _fmt(r.cold_s, ".1f"), _fmt(r.comm_share, ".0f", 100, "%")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [f"\n* {r.name}: not measured: {r.reason}" for r in rows if r.reason]
+    lines += [f"\n* {r.name}: WARNING: {r.late_graphs} graphs compiled during its timed steps (times include "
+              "compiling)" for r in rows if r.late_graphs]
+    lines.append("\nstate = this rank's params + optimizer state; peak = peak above what was resident before the "
+                 "variant's steps, " + (_GPU_NOTE if cuda else _CPU_NOTE))
+    return "\n".join(lines)
+
+
+def header_line(report: RankReport, opts: BenchOptions) -> str:
+    """Date, host, device, versions, world size, model and the exact command line."""
+    nccl = f" | NCCL {report.nccl_version}" if report.nccl_version else ""
+    return (f"{datetime.datetime.now().isoformat(timespec='seconds')} | {report.hostname} | {report.device_name} | "
+            f"torch {report.torch_version}{nccl} | world {report.world} | {opts.preset or opts.spec.kind}: "
+            f"{opts.spec.describe()} | {opts.command}")
+
+
+def default_json_path(opts: BenchOptions, device_name: str, world: int) -> Path:
+    """``benchmarks/results/step_time-<preset or model>-<device>-w<world>.json``."""
+    dev = "cpu" if opts.device == "cpu" else re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    return RESULTS_DIR / f"step_time-{opts.preset or opts.spec.kind}-{dev}-w{world}.json"
+
+
+def write_json(path: Path, header: str, rows: Sequence[Summary], reports: Sequence[RankReport],
+               opts: BenchOptions) -> None:
+    """All raw step times (per rank too), the summary rows and the run's settings."""
+    r0 = reports[0]
+    meta = {"header": header, "hostname": r0.hostname, "device": r0.device_name, "torch": r0.torch_version,
+            "nccl": r0.nccl_version, "world": r0.world, "flops_per_rank_step": r0.flops,
+            **{f.name: getattr(opts, f.name) for f in fields(opts) if f.name != "spec"}, "model": asdict(opts.spec)}
+    variants = [{**asdict(row), "ranks": [asdict(rep.runs[i]) for rep in reports]} for i, row in enumerate(rows)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "variants": variants}, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+def write_png(path: Path, rows: Sequence[Summary], title: str) -> str:
+    """Bar chart of median step time, whiskers min..max; returns what happened (for printing)."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    except ImportError:
+        return "PNG skipped: matplotlib is not installed (pip install -e '.[plot]')"
+    done = [r for r in rows if r.reason is None]
+    fig = Figure(figsize=(1.2 * len(done) + 2, 4), layout="tight")
+    ax = fig.subplots()
+    err = [[r.median_ms - r.min_ms for r in done], [r.max_ms - r.median_ms for r in done]]
+    ax.bar([r.name for r in done], [r.median_ms for r in done], yerr=err, capsize=4, color="tab:blue")
+    ax.set(ylabel="step time, ms (median; whiskers: min..max)", title=title)
+    ax.tick_params(axis="x", labelrotation=30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return f"wrote {path}"
+
+
+def report(reports: Sequence[RankReport], opts: BenchOptions) -> Path:
+    """Print the header and table; write the JSON and PNG; return the JSON path."""
+    rows = summarize(reports, opts)
+    header = header_line(reports[0], opts)
+    print(header + "\n\n" + markdown_table(rows, len(reports), opts.cuda))
+    path = Path(opts.json_path) if opts.json_path else default_json_path(opts, reports[0].device_name, len(reports))
+    write_json(path, header, rows, reports, opts)
+    print(f"\nwrote {path}")
+    if opts.png:
+        png = Path(opts.png_path) if opts.png_path else path.with_suffix(".png")
+        print(write_png(png, rows, f"{opts.preset or opts.spec.kind}, {reports[0].device_name}, world {len(reports)}"))
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run under torchrun (``RANK`` set), or spawn NCCL (``--spawn``) or gloo (``--ranks``) ranks."""
+    opts = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if opts.cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if opts.cuda else "gloo")
+        try:
+            reports = run_rank(dist.get_rank(), dist.get_world_size(), opts)
+        finally:
+            dist.destroy_process_group()
+    else:
+        cuda = opts.cuda
+        world = (opts.spawn or 1) if cuda else opts.ranks
+        reports = run_ranks(run_rank, world, opts, timeout=opts.timeout_s, pg_timeout_s=900.0,
+                            backend="nccl" if cuda else "gloo")[0]
+    if reports is not None:
+        report(reports, opts)
+    return 0
+
+
+if __name__ == "__main__":
+    from benchmarks import step_time  # the importable module, so spawned ranks unpickle the same classes
+
+    raise SystemExit(step_time.main())

@@ -24,6 +24,8 @@ __all__ = [
     "default_store",
     "getArtifactLogger",
     "inductor_config_patch",
+    "inductor_joint_graph_passes",
+    "inductor_pre_grad_passes",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "queue_end_of_backward",
@@ -50,3 +52,39 @@ def queue_end_of_backward(fn: Callable[[], None]) -> None:
 def inductor_config_patch(changes: dict[str, Any]) -> Any:
     """A context manager applying Inductor config ``changes`` for one compile only."""
     return torch._inductor.config.patch(changes)
+
+
+def _on_meta(inputs: Any) -> bool:
+    # Inductor's graph passes fold meta-device computations away entirely (nothing is computed on
+    # meta): ``explain`` traces on meta and must keep the graph as written.
+    leaves = torch.utils._pytree.tree_leaves(inputs)
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in leaves)
+
+
+def inductor_pre_grad_passes(gm: Any, example_inputs: Any) -> Any:
+    """Inductor's pre-grad passes on a Dynamo graph, as ``torch.compile``'s Inductor runs them."""
+    from torch._inductor import compile_fx as _fx
+
+    if _on_meta(example_inputs):
+        return gm
+    if hasattr(_fx, "_recursive_pre_grad_passes"):
+        return _fx._recursive_pre_grad_passes(gm, example_inputs)
+    return _fx.pre_grad_passes(gm, example_inputs)  # type: ignore[attr-defined]
+
+
+def inductor_joint_graph_passes(joint: Any, joint_inputs: Any) -> Any:
+    """Inductor's joint-graph passes (before partitioning), as its own partition function runs them."""
+    from torch._inductor import compile_fx as _fx
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    if _on_meta(joint_inputs):
+        return joint
+    devices = [t.device for t in torch.utils._pytree.tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)]
+    device = devices[0] if devices else None
+    recursive = getattr(_fx, "_recursive_joint_graph_passes", None)
+    if recursive is not None:
+        try:
+            return recursive(joint, skip_invoke_subgraph=True, input_device=device)
+        except TypeError:  # older signature
+            return recursive(joint)
+    return joint_graph_passes(joint)

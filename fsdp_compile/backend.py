@@ -39,6 +39,8 @@ from ._compat import (
     aot_autograd,
     compile_fx_inner,
     inductor_config_patch,
+    inductor_joint_graph_passes,
+    inductor_pre_grad_passes,
     make_boxed_func,
     min_cut_rematerialization_partition,
     select_decomp_table,
@@ -164,9 +166,11 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
 
 
 def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The min-cut partition, after :func:`_tag_reshard`."""
+    """Inductor's joint-graph passes (as ``torch.compile`` runs them), :func:`_tag_reshard`, then the
+    min-cut partition."""
+    joint = inductor_joint_graph_passes(joint, joint_inputs)
     _tag_reshard(joint)
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
 
 def _lowering(options: BackendOptions) -> list[NamedPass]:
@@ -299,7 +303,7 @@ def make_backend(
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
-        return aot(gm, example_inputs)
+        return aot(inductor_pre_grad_passes(gm, example_inputs), example_inputs)
 
     return backend
 

@@ -245,7 +245,7 @@ order  node                      unit  collective  group  stream      bytes  est
    11  addmm relu (3 nodes)                               compute                     30.001         30.001
    12  wait_tensor_8             2     all_gather  ag     compute                     30.001         45.001
    13  unpack (12 nodes)         2     all_gather  ag     compute                     45.001         45.001
-   14  addmm relu le (6 nodes)                            compute                     45.001         45.002""")
+   14  addmm relu le (4 nodes)                            compute                     45.001         45.002""")
 
 
 # --- load_hardware ------------------------------------------------------------------------------

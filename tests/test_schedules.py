@@ -64,7 +64,7 @@ class ScheduleTest(TestCase):
 11 compute         addmm relu  (3 nodes)
 12 wait            unit 2  ag     all_gather
 13 unpack          unit 2  ag
-14 compute         addmm relu le  (6 nodes)""")
+14 compute         addmm relu le  (4 nodes)""")
         # Backward: the gathers again (reshard after forward; unit 0's weight is not needed: its input
         # needs no grad), unit 1 prefetched under unit 2's compute. Each reduce-scatter is issued right
         # after the unit's last gradient, on its own stream; with the default cap (two buckets) the
@@ -77,16 +77,16 @@ class ScheduleTest(TestCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (9 nodes)
+7  compute         mm sum  (7 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-10 compute         le where  (4 nodes)
+10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (9 nodes)
+13 compute         mm sum  (7 nodes)
 14 pack            unit 1  rs
 15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (10 nodes)
+16 compute         le where mm sum  (6 nodes)
 17 wait            unit 2  rs     reduce_scatter
 18 unpack          unit 2  rs
 19 pack            unit 0  rs
@@ -108,12 +108,12 @@ class ScheduleTest(TestCase):
 4  all_gather      unit 1  ag+rs  comm            256 B
 5  wait            unit 2  ag+rs  comm
 6  unpack          unit 2  ag+rs
-7  compute         mm sum le where  (13 nodes)
+7  compute         mm sum le where  (9 nodes)
 8  wait            unit 1  ag+rs  comm
 9  unpack          unit 1  ag+rs
 10 pack            unit 2  ag+rs
 11 reduce_scatter  unit 2  ag+rs  comm            288 B
-12 compute         mm sum le where  (19 nodes)
+12 compute         mm sum le where  (13 nodes)
 13 wait            unit 2  ag+rs  comm
 14 unpack          unit 2  ag+rs
 15 pack            unit 1  ag+rs
@@ -137,16 +137,16 @@ class ScheduleTest(TestCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (9 nodes)
+7  compute         mm sum  (7 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-10 compute         le where  (4 nodes)
+10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (9 nodes)
+13 compute         mm sum  (7 nodes)
 14 pack            unit 1  rs
 15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (10 nodes)
+16 compute         le where mm sum  (6 nodes)
 17 wait            unit 2  rs     reduce_scatter
 18 unpack          unit 2  rs
 19 pack            unit 0  rs
@@ -174,25 +174,25 @@ class ScheduleTest(TestCase):
 11 all_gather      unit 2  ag     all_gather      288 B
 12 wait            unit 2  ag     all_gather
 13 unpack          unit 2  ag
-14 compute         addmm relu le  (6 nodes)""")
+14 compute         addmm relu le  (4 nodes)""")
         self.assertExpectedInline(bwd, """\
 0  compute         where  (2 nodes)
 1  pack            unit 2  ag
 2  all_gather      unit 2  ag     all_gather      256 B
 3  wait            unit 2  ag     all_gather
 4  unpack          unit 2  ag
-5  compute         mm sum  (9 nodes)
+5  compute         mm sum  (7 nodes)
 6  pack            unit 2  rs
 7  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-8  compute         le where  (4 nodes)
+8  compute         le where  (2 nodes)
 9  pack            unit 1  ag
 10 all_gather      unit 1  ag     all_gather      256 B
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (9 nodes)
+13 compute         mm sum  (7 nodes)
 14 pack            unit 1  rs
 15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (10 nodes)
+16 compute         le where mm sum  (6 nodes)
 17 wait            unit 2  rs     reduce_scatter
 18 unpack          unit 2  rs
 19 pack            unit 0  rs
@@ -220,7 +220,7 @@ class ScheduleTest(TestCase):
 11 compute         addmm relu  (3 nodes)
 12 wait            unit 2  ag     all_gather
 13 unpack          unit 2  ag
-14 compute         addmm relu le  (6 nodes)""")
+14 compute         addmm relu le  (4 nodes)""")
         self.assertExpectedInline(bwd, """\
 0  compute         where  (2 nodes)
 1  pack            unit 2  ag
@@ -229,16 +229,16 @@ class ScheduleTest(TestCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (9 nodes)
+7  compute         mm sum  (7 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-10 compute         le where  (4 nodes)
+10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (9 nodes)
+13 compute         mm sum  (7 nodes)
 14 pack            unit 1  rs
 15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (10 nodes)
+16 compute         le where mm sum  (6 nodes)
 17 wait            unit 2  rs     reduce_scatter
 18 unpack          unit 2  rs
 19 pack            unit 0  rs
@@ -259,18 +259,18 @@ class ScheduleTest(TestCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (9 nodes)
+7  compute         mm sum  (7 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-10 compute         le where  (4 nodes)
+10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (9 nodes)
+13 compute         mm sum  (7 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 pack            unit 1  rs
 17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-18 compute         le where mm sum  (10 nodes)
+18 compute         le where mm sum  (6 nodes)
 19 wait            unit 1  rs     reduce_scatter
 20 unpack          unit 1  rs
 21 pack            unit 0  rs
@@ -296,7 +296,7 @@ class ScheduleTest(TestCase):
 11 compute         addmm relu  (3 nodes)
 12 wait            unit 2  ag     all_gather
 13 unpack          unit 2  ag
-14 compute         addmm relu le  (6 nodes)""")
+14 compute         addmm relu le  (4 nodes)""")
 
     def test_mixed_precision_casts_before_all_gather(self) -> None:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -318,7 +318,7 @@ class ScheduleTest(TestCase):
 11 compute         addmm relu  (3 nodes)
 12 wait            unit 2  ag     all_gather
 13 unpack          unit 2  ag
-14 compute         addmm relu le  (6 nodes)""")
+14 compute         addmm relu le  (4 nodes)""")
         self.assertExpectedInline(bwd, """\
 0  compute         where  (2 nodes)
 1  pack            unit 2  ag
@@ -327,16 +327,16 @@ class ScheduleTest(TestCase):
 4  all_gather      unit 1  ag     all_gather      128 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (9 nodes)
+7  compute         mm sum  (7 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-10 compute         le where  (4 nodes)
+10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (9 nodes)
+13 compute         mm sum  (7 nodes)
 14 pack            unit 1  rs
 15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (10 nodes)
+16 compute         le where mm sum  (6 nodes)
 17 wait            unit 2  rs     reduce_scatter
 18 unpack          unit 2  rs
 19 pack            unit 0  rs
@@ -351,13 +351,13 @@ class ScheduleTest(TestCase):
         # The gathered params are kept from forward to backward: backward has no all-gather at all,
         # only the three reduce-scatters.
         self.assertExpectedInline(bwd, """\
-0  compute         where mm sum  (9 nodes)
+0  compute         where mm sum  (7 nodes)
 1  pack            unit 2  rs
 2  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-3  compute         le where mm sum  (11 nodes)
+3  compute         le where mm sum  (7 nodes)
 4  pack            unit 1  rs
 5  reduce_scatter  unit 1  rs     reduce_scatter  288 B
-6  compute         le where mm sum  (10 nodes)
+6  compute         le where mm sum  (6 nodes)
 7  wait            unit 2  rs     reduce_scatter
 8  unpack          unit 2  rs
 9  pack            unit 0  rs
@@ -379,10 +379,10 @@ class ScheduleTest(TestCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum le where  (13 nodes)
+7  compute         mm sum le where  (9 nodes)
 8  wait            unit 1  ag     all_gather
 9  unpack          unit 1  ag
-10 compute         mm sum le where  (19 nodes)""")
+10 compute         mm sum le where  (13 nodes)""")
 
 
 class HsdpScheduleTest(TestCase):
@@ -409,20 +409,20 @@ class HsdpScheduleTest(TestCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (9 nodes)
+7  compute         mm sum  (7 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-10 compute         le where  (4 nodes)
+10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (9 nodes)
+13 compute         mm sum  (7 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 pack            unit 2  rep
 17 all_reduce      unit 2  rep    replicate       144 B
 18 pack            unit 1  rs
 19 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-20 compute         le where mm sum  (10 nodes)
+20 compute         le where mm sum  (6 nodes)
 21 wait            unit 1  rs     reduce_scatter
 22 unpack          unit 1  rs
 23 pack            unit 1  rep

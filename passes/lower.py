@@ -91,6 +91,10 @@ def lower_reduce_grad_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True
                 "replicate_group": a.replicate_group}
 
         def scatter(grad: Tensor, a: ReduceGradArgs = a) -> Tensor:
+            if elide_single_rank and a.world_size == 1 and tuple(grad.shape) == a.shard_shape:
+                # Nothing to pack: flattening would copy a strided gradient (a transposed matmul
+                # result) only to view it back; it goes to the shard's grad as it is.
+                return cast(grad, a.reduce_dtype) if a.replicate_group else finish(grad, a)
             g = scatter_shard(grad.reshape(-1), a, elide=elide_single_rank)
             return g if a.replicate_group else finish(g, a)
 
@@ -123,4 +127,5 @@ def finish(g: Tensor, a: ReduceGradArgs) -> Tensor:
     ranks = a.world_size * max(a.replicate_size, 1)
     if ranks > 1:
         g = g / ranks
-    return cast(g, a.out_dtype).view(a.shard_shape)
+    g = cast(g, a.out_dtype)
+    return g if tuple(g.shape) == a.shard_shape else g.view(a.shard_shape)

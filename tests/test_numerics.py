@@ -85,3 +85,8 @@ def test_every_schedule_matches_the_reference(name: str) -> None:
     backend_kw, group_kw = SCHEDULES[name]
     case = Case(optim="adamw", steps=5, backend_kw=backend_kw, group_kw=group_kw)
     check(run_ranks(train_case, 2, case), steps=case.steps)
+
+
+def test_world_size_one_elides_collectives() -> None:
+    """One rank: no collective at all, gradients straight into the shards (no packing copies)."""
+    check(run_ranks(train_case, 1, Case(steps=4)), steps=4)

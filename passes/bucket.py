@@ -94,7 +94,7 @@ def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: d
     anchor = members[0] if gather else members[-1]
     new_nodes: list[fx.Node] = []
     outs = splice(gm.graph, make(world, group, sizes), inputs, before=anchor, meta=meta,  # type: ignore[arg-type]
-                  inserted=new_nodes)
+                  inserted=new_nodes, cache_key=(make.__name__, world, group, tuple(sizes)))
     if gather:
         # The inputs (casts and views of graph inputs) move up with the bucket.
         for inp in inputs:

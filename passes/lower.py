@@ -68,7 +68,8 @@ def lower_unshard_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True) ->
                 rows = rows[:dim0]
             return rows.reshape(a.full_shape)
 
-        (out,) = splice(gm.graph, gather, [a.shard], before=node,
+        key = ("gather", a.full_shape, a.world_size, a.ag_group, a.param_dtype, elide_single_rank)
+        (out,) = splice(gm.graph, gather, [a.shard], before=node, cache_key=key,
                         meta={"unit": a.unit, "param": a.name, "kind": "all_gather",
                               "ag_group": a.ag_group, "rs_group": a.rs_group})
         node.replace_all_uses_with(out)
@@ -98,13 +99,17 @@ def lower_reduce_grad_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True
             g = scatter_shard(grad.reshape(-1), a, elide=elide_single_rank)
             return g if a.replicate_group else finish(g, a)
 
-        (out,) = splice(gm.graph, scatter, [a.grad], before=node, meta={**meta, "kind": "reduce_scatter"})
+        key = ("scatter", a.shard_shape, a.world_size, a.rs_group, a.replicate_group, a.replicate_size,
+               a.reduce_dtype, a.out_dtype, elide_single_rank)
+        (out,) = splice(gm.graph, scatter, [a.grad], before=node, meta={**meta, "kind": "reduce_scatter"},
+                        cache_key=key)
         if a.replicate_group:
 
             def replicate(g: Tensor, a: ReduceGradArgs = a) -> Tensor:
                 return finish(c10d.wait_tensor(c10d.all_reduce(g, "sum", a.replicate_group)), a)
 
-            (out,) = splice(gm.graph, replicate, [out], before=node, meta={**meta, "kind": "all_reduce"})
+            (out,) = splice(gm.graph, replicate, [out], before=node, meta={**meta, "kind": "all_reduce"},
+                            cache_key=("replicate",) + key)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return gm

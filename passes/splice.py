@@ -9,7 +9,8 @@ node carries a fake value (``meta["val"]``) for later passes and for Inductor.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import fx
@@ -24,6 +25,18 @@ def _fake_mode(vals: Sequence[object]) -> FakeTensorMode | None:
     return detect_fake_mode(list(vals))
 
 
+# Traces reused as templates: the blocks of a model repeat, and so do the rewrites spliced into
+# them. Keyed by the caller's key and the inputs' metadata; a reused trace gets fresh fake values.
+_traces: OrderedDict[tuple, fx.GraphModule] = OrderedDict()
+_MAX_TRACES = 256
+
+
+def _signature(val: object) -> object:
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), val.dtype, tuple(val.stride()), val.device)
+    return val
+
+
 def splice(
     graph: fx.Graph,
     fn: Callable[..., object],
@@ -32,17 +45,28 @@ def splice(
     before: fx.Node,
     meta: dict[str, object] | None = None,
     inserted: list[fx.Node] | None = None,
+    cache_key: Hashable | None = None,
 ) -> list[fx.Node]:
     """Insert ``fn(*inputs)`` before ``before``; return the nodes of its (flattened) outputs.
 
     Every inserted node gets ``meta["fsdp"]`` updated with ``meta`` (unit, kind, ...); when
-    ``inserted`` is given, the new nodes are appended to it in graph order.
+    ``inserted`` is given, the new nodes are appended to it in graph order. ``cache_key`` (everything
+    ``fn`` depends on besides its inputs) lets a later call with equal inputs reuse the trace; the
+    copied nodes then get fresh fake values, computed in the graph's fake mode.
     """
     vals = [n.meta["val"] for n in inputs]
     mode = _fake_mode(vals)
     ctx = mode if mode is not None else contextlib.nullcontext()
-    with ctx:
-        traced = make_fx(lambda *xs: fn(*xs))(*vals)
+    key = None if cache_key is None else (cache_key, tuple(_signature(v) for v in vals))
+    traced = _traces.get(key) if key is not None else None
+    reused = traced is not None
+    if traced is None:
+        with ctx:
+            traced = make_fx(lambda *xs: fn(*xs))(*vals)
+        if key is not None:
+            _traces[key] = traced
+            while len(_traces) > _MAX_TRACES:
+                _traces.popitem(last=False)
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(inputs), (len(placeholders), len(inputs))
@@ -60,9 +84,18 @@ def splice(
                 env[node] = env[node.args[0]]  # type: ignore[index]
                 continue
             new = graph.node_copy(node, lambda n: env[n])
+            if reused:  # a value of its own, never one shared with the node it was copied from
+                with ctx:
+                    new.meta["val"] = _evaluate(new)
             if meta:
                 new.meta.setdefault("fsdp", {}).update(meta)
             if inserted is not None:
                 inserted.append(new)
             env[node] = new
     return outputs
+
+
+def _evaluate(node: fx.Node) -> object:
+    """Run a node's op on its inputs' fake values."""
+    args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+    return node.target(*args, **kwargs)  # type: ignore[operator]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,16 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from passes.predicates import is_all_gather, is_all_reduce, is_collective, is_reduce_scatter, is_wait, tensor_bytes
+from passes.predicates import (
+    collective_kind,
+    is_all_gather,
+    is_all_reduce,
+    is_collective,
+    is_reduce_scatter,
+    is_wait,
+    op_name,
+    tensor_bytes,
+)
 
 from ._compat import resolve_group
 
@@ -39,8 +47,6 @@ __all__ = [
     "launch_seconds",
     "node_seconds",
     "node_flops",
-    "op_name",
-    "collective_kind",
     "collective_bytes",
     "collective_world",
 ]
@@ -198,15 +204,6 @@ def collective_seconds(kind: str, full_bytes: int, world: int, hw: Hardware) -> 
     return _KINDS[kind] * one
 
 
-def collective_kind(launch: fx.Node) -> str:
-    """``all_gather``, ``reduce_scatter`` or ``all_reduce`` for a functional collective launch."""
-    if is_all_gather(launch):
-        return "all_gather"
-    if is_reduce_scatter(launch):
-        return "reduce_scatter"
-    if is_all_reduce(launch):
-        return "all_reduce"
-    raise ValueError(f"{launch.name} is not a collective launch")
 
 
 def collective_bytes(launch: fx.Node) -> int:
@@ -249,14 +246,6 @@ _MATMUL_DTYPES_FAST = {torch.bfloat16, torch.float16, torch.int8,
 _flops_cache: dict[tuple[object, ...], int] = {}
 
 
-def op_name(node: fx.Node) -> str:
-    """The overload packet name of a call (``mm``, ``addmm``...), ``getitem``, or the callable's name."""
-    if node.target is operator.getitem:
-        return "getitem"
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet is not None:
-        return packet.__name__
-    return getattr(node.target, "__name__", str(node.target))
 
 
 def _val(a: object) -> object:

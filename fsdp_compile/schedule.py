@@ -13,13 +13,12 @@ The tests snapshot it; ``explain`` adds estimated times to the same rows.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import fx
 
-from passes.predicates import fsdp_meta, is_collective, is_wait, tensor_bytes, waited_collective
+from passes.predicates import collective_kind, fsdp_meta, is_collective, is_wait, op_name, tensor_bytes, waited_collective
 from passes.regions import Region, regions
 
 __all__ = ["Row", "rows", "listing", "in_flight_peaks", "group_labels"]
@@ -50,24 +49,12 @@ class Row:
             return ""
         names = []
         for n in self.nodes:
-            name = _op_name(n)
+            name = op_name(n)
             if name not in _QUIET and name not in names:
                 names.append(name)
         return " ".join(names)
 
 
-def _op_name(n: fx.Node) -> str:
-    if n.target is operator.getitem:
-        return "getitem"
-    packet = getattr(n.target, "overloadpacket", None)
-    if packet is not None:
-        return packet.__name__
-    return getattr(n.target, "__name__", str(n.target))
-
-
-def _collective_kind(n: fx.Node) -> str:
-    name = _op_name(n)
-    return {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}.get(name, name)
 
 
 def _full_bytes(launch: fx.Node) -> int:
@@ -111,7 +98,7 @@ def rows(gm: fx.GraphModule) -> list[Row]:
         if is_collective(n) or is_wait(n):
             flush()
             if is_collective(n):
-                out.append(Row(_collective_kind(n), (n,), meta.get("unit"), str(n.args[-1]),
+                out.append(Row(collective_kind(n), (n,), meta.get("unit"), str(n.args[-1]),
                                str(meta.get("stream", "")), _full_bytes(n)))
             else:
                 launch = waited_collective(n)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from torch import fx
 
-from passes.predicates import is_collective, is_wait, waited_collective
+from passes.predicates import collective_kind, is_collective, is_wait, op_name, waited_collective
 
-from .cost import Hardware, collective_bytes, collective_kind, launch_seconds, node_seconds, op_name
+from .cost import Hardware, collective_bytes, launch_seconds, node_seconds
 from .schedule import in_flight_peaks, rows
 
 __all__ = ["Span", "Timeline", "simulate", "table", "chrome_trace", "write_png"]

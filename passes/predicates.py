@@ -6,6 +6,7 @@ package needs nothing from ``fsdp_compile``: graphs are read through their op ar
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ __all__ = [
     "is_reduce_scatter",
     "is_all_reduce",
     "is_collective",
+    "collective_kind",
+    "op_name",
     "is_wait",
     "waited_collective",
     "wait_of",
@@ -30,7 +33,7 @@ __all__ = [
 c10d = torch.ops._c10d_functional
 
 
-def _op_name(node: fx.Node) -> str | None:
+def _schema_name(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return None
     schema = getattr(node.target, "_schema", None)
@@ -39,12 +42,12 @@ def _op_name(node: fx.Node) -> str | None:
 
 def is_unshard(node: fx.Node) -> bool:
     """``shard -> fsdp::unshard -> full param``: a marker before lowering."""
-    return _op_name(node) == "fsdp::unshard"
+    return _schema_name(node) == "fsdp::unshard"
 
 
 def is_reduce_grad(node: fx.Node) -> bool:
     """``full grad -> fsdp::reduce_grad -> shard grad``: a marker before lowering."""
-    return _op_name(node) == "fsdp::reduce_grad"
+    return _schema_name(node) == "fsdp::reduce_grad"
 
 
 def is_all_gather(node: fx.Node) -> bool:
@@ -65,6 +68,27 @@ def is_all_reduce(node: fx.Node) -> bool:
 def is_collective(node: fx.Node) -> bool:
     """Any collective launch this package emits."""
     return is_all_gather(node) or is_reduce_scatter(node) or is_all_reduce(node)
+
+
+def collective_kind(launch: fx.Node) -> str:
+    """``all_gather``, ``reduce_scatter`` or ``all_reduce`` for a collective launch."""
+    if is_all_gather(launch):
+        return "all_gather"
+    if is_reduce_scatter(launch):
+        return "reduce_scatter"
+    if is_all_reduce(launch):
+        return "all_reduce"
+    raise ValueError(f"{launch.name} is not a collective launch")
+
+
+def op_name(node: fx.Node) -> str:
+    """The overload packet name of a call (``mm``, ``addmm``...), ``getitem``, or the callable's name."""
+    if node.target is operator.getitem:
+        return "getitem"
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(node.target, "__name__", str(node.target))
 
 
 def is_wait(node: fx.Node) -> bool:

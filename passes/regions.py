@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from .predicates import fsdp_meta, is_all_gather, is_all_reduce, is_collective, is_reduce_scatter, tensor_bytes, wait_of
+from .predicates import collective_kind, fsdp_meta, is_collective, tensor_bytes, wait_of
 
 __all__ = ["Region", "regions"]
 
@@ -32,12 +32,7 @@ class Region:
 
     @property
     def kind(self) -> str:
-        if is_all_gather(self.launch):
-            return "all_gather"
-        if is_reduce_scatter(self.launch):
-            return "reduce_scatter"
-        assert is_all_reduce(self.launch)
-        return "all_reduce"
+        return collective_kind(self.launch)
 
     @property
     def unit(self) -> object:

@@ -27,7 +27,6 @@ from torch.utils.flop_counter import flop_registry
 from passes.predicates import (
     collective_kind,
     is_all_gather,
-    is_all_reduce,
     is_collective,
     is_reduce_scatter,
     is_wait,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, fx
 
-from .predicates import ReduceGradArgs, UnshardArgs, fsdp_meta, is_reduce_grad, is_unshard
+from .predicates import ReduceGradArgs, UnshardArgs, is_reduce_grad, is_unshard
 from .splice import splice
 
 __all__ = ["lower_unshard_pass", "lower_reduce_grad_pass", "gather_flat", "scatter_flat"]

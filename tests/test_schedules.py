@@ -8,20 +8,16 @@ Run with ``EXPECTTEST_ACCEPT=1`` to update the snapshots after an intended chang
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from expecttest import TestCase
-from torch._inductor.utils import run_and_get_code
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, make_backend
-from fsdp_compile.backend import observe_graphs
-from fsdp_compile.schedule import group_labels, listing, rows
-from passes.predicates import is_all_gather, waited_collective
+from fsdp_compile import FsdpGroups, MixedPrecisionPolicy
+from fsdp_compile.schedule import group_labels, listing
 
 from .graph_utils import ThreeUnits, capture, shard_blocks_then_root
 
@@ -439,62 +435,3 @@ class HsdpScheduleTest(TestCase):
 34 unpack          unit 2  rep
 35 unpack          unit 1  rep
 36 unpack          unit 0  rep""")
-
-
-_LAUNCH = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")
-_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
-_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
-
-
-def emitted_order(code: str) -> list[str]:
-    """Collective launches and waits in the order Inductor's generated code runs them."""
-    kind_of: dict[str, str] = {}
-    out = []
-    for line in code.splitlines():
-        if m := _LAUNCH.search(line):
-            kind_of[m.group(1)] = _KIND[m.group(2)]
-            out.append(_KIND[m.group(2)])
-        elif m := _WAIT.search(line):
-            out.append(f"wait {kind_of.get(m.group(1), '?')}")
-    return out
-
-
-def fx_order(gm: torch.fx.GraphModule) -> list[str]:
-    out = []
-    for r in rows(gm):
-        if r.op in ("all_gather", "reduce_scatter"):
-            out.append(r.op)
-        elif r.op == "wait":
-            launch = waited_collective(r.nodes[0])
-            out.append(f"wait {'all_gather' if is_all_gather(launch) else 'reduce_scatter'}")
-    return out
-
-
-class InductorOrderTest(TestCase):
-    """The order of launches and waits survives Inductor: read its generated code."""
-
-    def setUp(self) -> None:
-        torch._dynamo.reset()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-
-    def tearDown(self) -> None:
-        dist.destroy_process_group()
-
-    def compiled_orders(self, **backend_kw: Any) -> tuple[list[list[str]], list[list[str]]]:
-        groups = FsdpGroups.create()
-        torch.manual_seed(0)
-        model = torch.compile(shard_blocks_then_root(ThreeUnits(), groups), backend=make_backend(**backend_kw))
-        with observe_graphs() as seen:
-            _, codes = run_and_get_code(lambda: model(torch.randn(4, 8)).sum().backward())
-        return [fx_order(gm) for _, gm in seen], [emitted_order(c) for c in codes]
-
-    def test_emitted_order_matches_schedule(self) -> None:
-        for kw in ({}, {"prefetch": 2}, {"schedule": "delayed"}):
-            fx, emitted = self.compiled_orders(**kw)
-            self.assertEqual(len(emitted), 2)
-            self.assertEqual(emitted, fx, f"Inductor reordered collectives with {kw}")
-
-    def test_without_pinning_inductor_undoes_the_schedule(self) -> None:
-        # The control: Inductor's own reordering moves waits back next to their launches.
-        fx, emitted = self.compiled_orders(pin_order=False)
-        self.assertNotEqual(emitted, fx)

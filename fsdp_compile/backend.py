@@ -30,7 +30,7 @@ from passes.bucket import bucket_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
-from passes.streams import streams_pass
+from passes.streams import check_streams, streams_pass
 from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
@@ -194,7 +194,10 @@ def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.G
                                  schedule=options.schedule, reduce_scatter_bytes=options.reduce_scatter_bytes)
     else:
         choice = Choice(prefetch=int(options.prefetch), reduce_scatter_bytes=options.reduce_scatter_bytes)
-    return run_passes(gm, _scheduling(options, choice), disabled=skip, log_diff=diff, allow_unknown=True)
+    gm = run_passes(gm, _scheduling(options, choice), disabled=skip, log_diff=diff, allow_unknown=True)
+    if "streams" not in skip:
+        check_streams(gm)  # the annotations say what runs where: NOTE [streams]
+    return gm
 
 
 def _compile(

@@ -34,23 +34,10 @@ class Unshard(nn.Module):
     def forward(self, shard: Tensor) -> Tensor:
         p = self.param
         unit = p.unit
-        groups = unit.groups
-        mp = unit.mp_policy
-        return torch.ops.fsdp.unshard(
-            shard,
-            list(p.full_shape),
-            groups.shard_size,
-            unit.index,
-            p.fqn,
-            groups.all_gather.group_name,
-            groups.reduce_scatter.group_name,
-            groups.replicate.group_name if groups.replicate is not None else "",
-            groups.replicate_size,
-            unit.reshard_after_forward,
-            mp.param_dtype,
-            mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype,
-            p.accumulator if (not unit.requires_grad_sync or unit.pending) else None,
-        )
+        # The constant arguments are computed once (``marker_args``), not re-read per trace: Dynamo
+        # traces this for every parameter read.
+        accumulate = p.accumulator if (not unit.requires_grad_sync or unit.pending) else None
+        return torch.ops.fsdp.unshard(shard, *p.marker_args, accumulate)
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
         # Called once at registration with the full param; a shared param's second registration
@@ -209,3 +196,25 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
     order.append(root_unit)
     for i, unit in enumerate(order):
         unit.index = i
+        for sp in unit.params:
+            sp.marker_args = _marker_args(sp)
+
+
+def _marker_args(p: ShardedParam) -> tuple:
+    """The arguments of ``fsdp::unshard`` after the shard (see ``ops.unshard``), all constants."""
+    unit = p.unit
+    groups = unit.groups
+    mp = unit.mp_policy
+    return (
+        list(p.full_shape),
+        groups.shard_size,
+        unit.index,
+        p.fqn,
+        groups.all_gather.group_name,
+        groups.reduce_scatter.group_name,
+        groups.replicate.group_name if groups.replicate is not None else "",
+        groups.replicate_size,
+        unit.reshard_after_forward,
+        mp.param_dtype,
+        mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype,
+    )

@@ -67,6 +67,7 @@ class ShardedParam:
     unit: Unit
     sharded: bool = False  # True once ``shard`` holds the shard rather than the full param
     accumulator: Tensor | None = None  # the leaf that collects full grads without sync (accumulate.py)
+    marker_args: tuple = ()  # fsdp::unshard's constant arguments, set whenever units are (re)numbered
 
     @property
     def fqn(self) -> str:

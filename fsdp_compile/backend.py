@@ -2,13 +2,17 @@
 
 ``torch.compile(model, backend=fsdp_backend)`` on a model prepared with ``fully_shard``:
 
-1. AOTAutograd traces the joint forward+backward graph with Inductor's decompositions; the graph holds
-   ``fsdp::unshard`` markers in forward and ``fsdp::reduce_grad`` markers in backward.
-2. ``partition`` marks each unshard of a resharding unit must-recompute before the min-cut partitioner
-   runs, so forward saves the *shard* and backward gathers again (see NOTE [reshard by recompute]).
-3. The passes (``passes/``) lower markers to collectives on the two groups and schedule them.
-4. Inductor compiles each graph (``compile_fx_inner``), or, with ``inductor=False``, the lowered FX
-   graphs run as they are (for debugging).
+1. AOTAutograd traces the joint forward+backward graph with Inductor's decompositions (after
+   Inductor's pre-grad passes, as ``torch.compile`` runs them); the graph holds ``fsdp::unshard``
+   markers in forward and ``fsdp::reduce_grad`` markers in backward.
+2. ``partition`` runs Inductor's joint-graph passes, marks each unshard of a resharding unit
+   must-recompute, then min-cut partitions: forward saves the *shard* and backward gathers again
+   (see NOTE [reshard by recompute]).
+3. The passes (``passes/``) lower markers to collectives on the two groups and schedule them; the
+   streams are checked, every rank's collective sequence is compared (NOTE [agreement]), and the
+   schedule goes to logs and dumps.
+4. Inductor compiles each graph (``compile_fx_inner``, the order pinned), or, with ``inductor=False``,
+   the scheduled FX graphs run as they are (for debugging).
 """
 
 from __future__ import annotations

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
+
+from expecttest import TestCase
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.backend import observe_graphs
@@ -14,6 +20,27 @@ from fsdp_compile.models import ModelConfig
 from passes.predicates import is_all_gather, is_reduce_scatter, is_wait
 
 SMALL = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=16, max_seq_len=8)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int = 2, rank: int = 0) -> Iterator[None]:
+    """A fake default process group (no communication) of ``world_size`` ranks, this process ``rank``."""
+    assert not dist.is_initialized()
+    torch._dynamo.reset()  # every test compiles new module instances: start below the recompile limit
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class FakeWorldTestCase(TestCase):
+    """A test case run inside ``fake_process_group(world_size)``."""
+
+    world_size = 2
+
+    def setUp(self) -> None:
+        self.enterContext(fake_process_group(self.world_size))
 
 
 class ThreeUnits(nn.Module):

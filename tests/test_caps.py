@@ -12,9 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups
 from fsdp_compile.models import Transformer
@@ -23,21 +21,17 @@ from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import reduce_scatter_pass
 from passes.regions import regions
 
-from .graph_utils import SMALL, capture, shard_blocks_then_root
+from .graph_utils import SMALL, capture, fake_process_group, shard_blocks_then_root
 
 
 @pytest.fixture(scope="module")
 def unscheduled() -> Iterator[dict[str, fx.GraphModule]]:
-    torch._dynamo.reset()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_process_group(2):
         groups = FsdpGroups.create()
         torch.manual_seed(0)
         model = shard_blocks_then_root(Transformer(SMALL.with_(n_layers=3)), groups)
         yield capture(model, torch.zeros(2, 4, dtype=torch.long),
                       disabled_passes=["prefetch", "reduce_scatter", "streams"])
-    finally:
-        dist.destroy_process_group()
 
 
 def _largest(gm: fx.GraphModule, kind: str) -> int:

@@ -8,19 +8,15 @@ process under a fake process group.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups, fully_shard
 from fsdp_compile.checkpoint import (
@@ -32,6 +28,7 @@ from fsdp_compile.checkpoint import (
 )
 from fsdp_compile.launch import run_ranks
 from .checkpoint_workers import AFTER, BEFORE, at_four_ranks, load_odd, reference, resume, save_and_continue
+from .graph_utils import fake_process_group
 from .workers import ref_slice
 
 RTOL = 1e-5
@@ -141,14 +138,6 @@ def test_uneven_shapes_padding_never_appears(four_ranks: tuple[Path, list]) -> N
 # ---------------------------------------------------------------------------------------------
 
 
-@contextmanager
-def fake_pg(rank: int, world: int) -> Iterator[None]:
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Shapes(nn.Module):
@@ -173,7 +162,7 @@ EXPECTED_ROWS = {("ten", 4): [3, 3, 3, 1], ("five", 4): [2, 2, 1, 0], ("ten", 3)
 def test_row_split_is_dtensor_shard0_chunking(world: int) -> None:
     rows_seen: dict[str, list[int]] = {}
     for rank in range(world):
-        with fake_pg(rank, world):
+        with fake_process_group(world, rank):
             groups = FsdpGroups.create(dedicated="none")
             model = Shapes()
             full = copy.deepcopy(model).state_dict()

@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from expecttest import TestCase
 from torch import fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups
 from fsdp_compile.cost import (
@@ -31,7 +29,7 @@ from fsdp_compile.cost import (
 from fsdp_compile.schedule import group_labels
 from fsdp_compile.timeline import Timeline, chrome_trace, simulate, table, write_png
 
-from .graph_utils import ThreeUnits, capture, shard_blocks_then_root
+from .graph_utils import ThreeUnits, capture, fake_process_group, shard_blocks_then_root
 
 aten = torch.ops.aten
 H200 = HARDWARE["h200"]
@@ -40,18 +38,13 @@ H200 = HARDWARE["h200"]
 @functools.lru_cache(maxsize=None)
 def three_units(prefetch: int = 1) -> tuple[dict[str, fx.GraphModule], dict[str, str]]:
     """Forward and backward graphs of ``ThreeUnits`` at world size 2, with group labels (cached)."""
-    assert not dist.is_initialized()
-    torch._dynamo.reset()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_process_group(2):
         groups = FsdpGroups.create()
         torch.manual_seed(0)
         model = shard_blocks_then_root(ThreeUnits(), groups)
         graphs = capture(model, torch.randn(4, 8), prefetch=prefetch)
         labels = group_labels(groups)
         groups.destroy()
-    finally:
-        dist.destroy_process_group()
     return graphs, labels
 
 

@@ -12,17 +12,14 @@ import re
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from expecttest import TestCase
 from torch._inductor.utils import run_and_get_code
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.schedule import rows
 from passes.predicates import is_all_gather, waited_collective
 
-from .graph_utils import ThreeUnits, shard_blocks_then_root
+from .graph_utils import FakeWorldTestCase, ThreeUnits, shard_blocks_then_root
 
 _LAUNCH = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
@@ -53,15 +50,8 @@ def fx_order(gm: torch.fx.GraphModule) -> list[str]:
     return out
 
 
-class InductorOrderTest(TestCase):
+class InductorOrderTest(FakeWorldTestCase):
     """The order of launches and waits survives Inductor: read its generated code."""
-
-    def setUp(self) -> None:
-        torch._dynamo.reset()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-
-    def tearDown(self) -> None:
-        dist.destroy_process_group()
 
     def compiled_orders(self, **backend_kw: Any) -> tuple[list[list[str]], list[list[str]]]:
         groups = FsdpGroups.create()

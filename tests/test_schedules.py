@@ -11,25 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from expecttest import TestCase
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy
 from fsdp_compile.schedule import group_labels, listing
 
-from .graph_utils import ThreeUnits, capture, shard_blocks_then_root
+from .graph_utils import FakeWorldTestCase, ThreeUnits, capture, shard_blocks_then_root
 
 
-class ScheduleTest(TestCase):
-    def setUp(self) -> None:
-        torch._dynamo.reset()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-
-    def tearDown(self) -> None:
-        dist.destroy_process_group()
-
+class ScheduleTest(FakeWorldTestCase):
     def schedule(self, dedicated: str = "reduce_scatter", shard_kw: dict[str, Any] | None = None,
                  no_sync: bool = False, **backend_kw: Any) -> tuple[str, str]:
         groups = FsdpGroups.create(dedicated=dedicated)
@@ -381,13 +371,8 @@ class ScheduleTest(TestCase):
 10 compute         mm sum le where  (13 nodes)""")
 
 
-class HsdpScheduleTest(TestCase):
-    def setUp(self) -> None:
-        torch._dynamo.reset()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-
-    def tearDown(self) -> None:
-        dist.destroy_process_group()
+class HsdpScheduleTest(FakeWorldTestCase):
+    world_size = 4
 
     def test_hsdp_2x2(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

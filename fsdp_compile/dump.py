@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import fx
 
 from .cost import Hardware
-from .timeline import chrome_trace, simulate, table, write_png
+from .timeline import Timeline, chrome_trace, simulate, table, write_png
 
 __all__ = ["report", "dump"]
 
@@ -19,9 +19,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def report(gm: fx.GraphModule, hw: Hardware) -> str:
+def report(gm: fx.GraphModule, hw: Hardware, timeline: Timeline | None = None) -> str:
     """The schedule table of one compiled graph with estimated times on ``hw``, and a summary."""
-    timeline = simulate(gm, hw)
+    timeline = timeline if timeline is not None else simulate(gm, hw)
     s = timeline.summary()
     return (
         f"{table(gm, timeline)}\n"
@@ -39,7 +39,7 @@ def dump(gm: fx.GraphModule, directory: str | os.PathLike[str], name: str, hw: H
     stem = f"{name}.rank{_rank()}"
     timeline = simulate(gm, hw)
     paths = [out / f"{stem}.txt", out / f"{stem}.json"]
-    paths[0].write_text(report(gm, hw) + "\n")
+    paths[0].write_text(report(gm, hw, timeline) + "\n")
     paths[1].write_text(json.dumps(chrome_trace({name: timeline})))
     try:
         write_png({name: timeline}, out / f"{stem}.png")

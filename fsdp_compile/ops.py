@@ -86,7 +86,7 @@ def unshard(
         x = torch.ops._c10d_functional.wait_tensor(gathered)
     else:
         x = x.clone()
-    return x.reshape(-1, *x.shape[1:])[: _dim0(full_shape)].reshape(full_shape).contiguous()
+    return x[: _dim0(full_shape)].reshape(full_shape).contiguous()
 
 
 @unshard.register_fake
@@ -185,7 +185,7 @@ def reduce_full_grad(
     """``reduce_grad``'s arithmetic with blocking collectives (also used to flush accumulated grads)."""
     g = grad if reduce_dtype is None else grad.to(reduce_dtype)
     rows = shard_shape[0] if shard_shape else 1
-    g = g.reshape(-1, *g.shape[1:]) if g.dim() > 0 else g.reshape(1)
+    g = g if g.dim() > 0 else g.reshape(1)
     if g.shape[0] < rows * world_size:
         g = torch.cat([g, g.new_zeros(rows * world_size - g.shape[0], *g.shape[1:])])
     if world_size > 1:

@@ -12,6 +12,7 @@ backward); ``users`` are the untagged nodes that read the epilogue.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import fx
@@ -62,24 +63,25 @@ def _same(node: fx.Node, kind: object, unit: object) -> bool:
     return bool(meta) and meta.get("kind") == kind and meta.get("unit") == unit and not is_collective(node)
 
 
+def _tagged_closure(start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]], kind: object,
+                    unit: object) -> set[fx.Node]:
+    """The nodes tagged for (kind, unit) reachable from ``start`` through tagged nodes only."""
+    found: set[fx.Node] = set()
+    stack = list(start)
+    while stack:
+        n = stack.pop()
+        if n not in found and n.op == "call_function" and _same(n, kind, unit):
+            found.add(n)
+            stack.extend(step(n))
+    return found
+
+
 def _region(launch: fx.Node, index: dict[fx.Node, int]) -> Region:
     meta = fsdp_meta(launch)
     kind, unit = meta.get("kind"), meta.get("unit")
     wait = wait_of(launch)
-    prologue: set[fx.Node] = set()
-    stack = list(launch.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n not in prologue and n.op == "call_function" and _same(n, kind, unit):
-            prologue.add(n)
-            stack.extend(n.all_input_nodes)
-    epilogue: set[fx.Node] = set()
-    stack = list(wait.users)
-    while stack:
-        n = stack.pop()
-        if n not in epilogue and n.op == "call_function" and _same(n, kind, unit):
-            epilogue.add(n)
-            stack.extend(n.users)
+    prologue = _tagged_closure(launch.all_input_nodes, lambda n: n.all_input_nodes, kind, unit)
+    epilogue = _tagged_closure(wait.users, lambda n: n.users, kind, unit)
     inside = prologue | epilogue | {launch, wait}
     inputs = {i for n in [*prologue, launch] for i in n.all_input_nodes if i not in inside}
     users = {u for n in [wait, *epilogue] for u in n.users if u not in inside}

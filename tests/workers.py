@@ -214,7 +214,7 @@ def reference_run(case: Case, batches: list) -> tuple[list[float], dict[str, Ten
     root_mp = (case.root_kw if case.root_kw is not None else case.shard_kw).get("mp_policy")
     if block_mp is not None or root_mp is not None:
         apply_reference_casts(model, block_mp or MixedPrecisionPolicy(), root_mp or MixedPrecisionPolicy())
-    opt = make_optimizer(case.optim, [p for p in model.parameters() if p.requires_grad])
+    opt = make_optimizer(case.optim, _trainable(model))
     losses, grads0 = [], {}
     for step, micro in enumerate(batches):
         total = 0.0

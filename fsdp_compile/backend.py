@@ -111,7 +111,6 @@ class BackendOptions:
         unknown = set(self.disabled_passes) - set(PASS_NAMES)
         if unknown:
             raise ValueError(f"make_backend: disabled_passes {sorted(unknown)} match no pass; known: {list(PASS_NAMES)}")
-        self.cost_model()  # an unknown preset or a bad calibration file fails here, not at compile
 
     def cost_model(self) -> Hardware:
         """The hardware model behind estimates and ``"auto"``: the named preset, else this device's."""
@@ -209,10 +208,10 @@ def _compile(
     example_inputs: Sequence[Any],
     *,
     options: BackendOptions,
+    hw: Hardware,
     is_backward: bool,
     is_inference: bool,
 ) -> Callable[..., Any]:
-    hw = options.cost_model()
     gm = _schedule(gm, options, hw)
     kind = "backward" if is_backward else "inference" if is_inference else "forward"
     if options.check_agreement:
@@ -297,9 +296,10 @@ def make_backend(
         disabled_passes=tuple(disabled_passes),
         log_pass_diffs=log_pass_diffs,
     )
-    compile_fw = functools.partial(_compile, options=options, is_backward=False, is_inference=False)
-    compile_bw = functools.partial(_compile, options=options, is_backward=True, is_inference=False)
-    compile_inf = functools.partial(_compile, options=options, is_backward=False, is_inference=True)
+    hw = options.cost_model()  # once: an unknown preset or a bad calibration file fails here
+    compile_fw = functools.partial(_compile, options=options, hw=hw, is_backward=False, is_inference=False)
+    compile_bw = functools.partial(_compile, options=options, hw=hw, is_backward=True, is_inference=False)
+    compile_inf = functools.partial(_compile, options=options, hw=hw, is_backward=False, is_inference=True)
     aot = aot_autograd(
         fw_compiler=compile_fw,
         bw_compiler=compile_bw,

@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from .groups import FsdpGroups
 from .module import mix_in
 from .ops import shard_rows
-from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _unit_counter, _units, unit_of
+from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of
 
 __all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "unit_of"]
 
@@ -136,13 +136,12 @@ def fully_shard(
     _check_params(module, unit_name, new)
 
     unit = Unit(
-        index=_unit_counter[0],
+        index=0,  # set by _renumber_subunits below
         module_ref=weakref.ref(module),
         groups=groups,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
     )
-    _unit_counter[0] += 1
     seen: dict[nn.Parameter, ShardedParam] = {}
     for owner, fqn, p in new:
         sp = seen.get(p)

@@ -78,7 +78,6 @@ class ShardedParam:
 # Module -> unit and shard -> param, keyed weakly so that dropping a model frees everything.
 _units: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
 _params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Tensor -> ShardedParam, by identity
-_unit_counter = [0]
 
 
 def unit_of(module: nn.Module) -> Unit | None:

@@ -22,6 +22,7 @@ __all__ = [
     "aot_autograd",
     "compile_fx_inner",
     "default_store",
+    "group_timeout_s",
     "getArtifactLogger",
     "inductor_config_patch",
     "inductor_joint_graph_passes",
@@ -29,8 +30,10 @@ __all__ = [
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "queue_end_of_backward",
+    "register_foreach_type",
     "resolve_group",
     "select_decomp_table",
+    "store_connection",
 ]
 
 
@@ -42,6 +45,38 @@ def resolve_group(name: str) -> dist.ProcessGroup:
 def default_store() -> dist.Store:
     """The key-value store the default process group was initialised with."""
     return dist.distributed_c10d._get_default_store()
+
+
+def store_connection(store: dist.Store) -> dist.Store:
+    """A second client connection to ``store`` (for a background thread), or ``store`` itself where
+    the store cannot be cloned."""
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return store
+    try:
+        return clone()
+    except RuntimeError:  # a store type without clone support
+        return store
+
+
+def group_timeout_s(group: dist.ProcessGroup) -> float:
+    """The timeout, in seconds, that ``group``'s collectives run under (``init_process_group(timeout=)``
+    or ``new_group(timeout=)``; the backend's default when none was given)."""
+    backend = dist.get_backend(group)
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    try:
+        return float(group._get_backend(device).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return float(dist.distributed_c10d._get_default_timeout(backend).total_seconds())
+
+
+def register_foreach_type(cls: type) -> None:
+    """Let ``torch.nn.utils.clip_grad_norm_`` and friends take their foreach path for tensors of type
+    ``cls`` (torch registers ``DTensor`` the same way)."""
+    from torch.utils import _foreach_utils
+
+    if cls not in _foreach_utils._foreach_supported_types:
+        _foreach_utils._foreach_supported_types.append(cls)
 
 
 def queue_end_of_backward(fn: Callable[[], None]) -> None:

@@ -1,32 +1,36 @@
-"""Cross-rank agreement: refuse to run a graph whose collective schedule differs between ranks.
+"""Cross-rank agreement: refuse to run a graph whose collectives differ between ranks.
 
 NOTE [agreement]: concurrent communicators deadlock when ranks issue their collectives in different
 orders (see NOTE [why two communicators]); a rank-dependent branch in the model makes exactly that.
-So when a graph is compiled, each rank writes the sequence of its collectives (kind, group, dtype,
-shape, in launch order, waits included) to the process group's key-value store, reads its peers'
-(the ranks of the groups the graph uses), and compares them, before any collective of that graph
-runs. A mismatch raises ``RuntimeError`` on every rank naming the first differing collective on each;
-a peer that never compiles the graph (a rank-dependent graph break) raises after ``timeout_s``. The
-cost is one small store write and read per compiled graph; ``make_backend(check_agreement=False)``
-switches it off.
+So when a graph is compiled, each rank posts the graph's collective sequence (kind, group role, dtype,
+shape, in launch order, waits included) to the store under a key made from that sequence, and waits
+until every peer (the ranks of the groups the graph uses) has compiled a graph with the same sequence,
+now or earlier. What must agree is the sequence, not the number of compiled graphs: a rank that
+recompiles for a new activation shape (padding per batch) compiles a graph with the same collectives,
+which its peers already posted, so it goes on at once, even when they never recompile.
+
+The wait is :func:`peers.wait_for` (NOTE [peers]): when two ranks each wait for a graph the other never
+compiled, both raise ``RuntimeError`` at once, naming the first differing collective on each; a peer
+that failed or is gone is named within seconds; a peer that is alive but never compiles the graph (a
+forward run on some ranks only) is named at the process group's timeout. The cost is one small store
+exchange per compiled graph; ``make_backend(check_agreement=False)`` switches it off.
 """
 
 from __future__ import annotations
 
-import datetime
-import itertools
+import hashlib
 import json
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import fx
 
 from passes.predicates import fsdp_meta, is_collective, is_wait, waited_collective
 
-from ._compat import default_store, resolve_group
+from . import peers as _peers_mod
+from ._compat import group_timeout_s, resolve_group
 
-__all__ = ["fingerprint", "check_agreement"]
-
-_sequence = itertools.count()
+__all__ = ["GraphIdentity", "check_agreement", "fingerprint", "identify"]
 
 
 def fingerprint(gm: fx.GraphModule) -> list[str]:
@@ -51,54 +55,71 @@ def fingerprint(gm: fx.GraphModule) -> list[str]:
     return out
 
 
-def _peers(gm: fx.GraphModule) -> list[int]:
+@dataclass(frozen=True)
+class GraphIdentity:
+    """What identifies a compiled graph across ranks: its kind and collective sequence, and its peers."""
+
+    kind: str  # "forward", "backward" or "inference"
+    collectives: tuple[str, ...]
+    peers: tuple[int, ...]  # every rank of every group the graph's collectives use
+    timeout_s: float  # how long to wait for peers (the groups' timeout unless set)
+
+    @property
+    def key(self) -> str:
+        """Equal on every rank that compiles a graph of this kind with these collectives."""
+        text = json.dumps([self.kind, self.collectives])
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        launches = sum(1 for c in self.collectives if not c.startswith("wait("))
+        article = "an" if self.kind[0] in "aeiou" else "a"
+        return f"{article} {self.kind} graph with {launches} collectives"
+
+
+def identify(gm: fx.GraphModule, kind: str, timeout_s: float | None = None) -> GraphIdentity | None:
+    """The graph's identity, or ``None`` when it needs no peer (no collectives, one rank, no real group)."""
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return None  # a fake process group stands for one rank
     ranks: set[int] = set()
+    timeouts = []
     for n in gm.graph.nodes:
         if is_collective(n):
             group = resolve_group(str(n.args[-1]))
             ranks.update(dist.get_process_group_ranks(group))
-    return sorted(ranks)
+            timeouts.append(group_timeout_s(group))
+    if len(ranks) <= 1:
+        return None
+    return GraphIdentity(kind=kind, collectives=tuple(fingerprint(gm)), peers=tuple(sorted(ranks)),
+                         timeout_s=timeout_s if timeout_s is not None else max(timeouts))
 
 
-def check_agreement(gm: fx.GraphModule, kind: str, *, timeout_s: float = 300.0) -> None:
-    """Compare ``gm``'s collective sequence with every peer rank's; raise ``RuntimeError`` if any differ."""
-    if not dist.is_initialized() or dist.get_backend() == "fake":
-        return  # nobody to compare with (a fake process group stands for one rank)
-    peers = _peers(gm)
-    seq = next(_sequence)  # every rank compiles its graphs in the same order, or it times out below
-    if len(peers) <= 1:
-        return
+def check_agreement(graph: GraphIdentity) -> None:
+    """Wait until every peer compiled a graph with ``graph``'s collectives; raise ``RuntimeError`` if
+    the ranks compile different ones, or a peer fails, is gone or never comes (NOTE [agreement])."""
+    what = f"compile {graph.describe()} (the same sequence as this rank's)"
+    value = json.dumps({"kind": graph.kind, "collectives": list(graph.collectives)})
     me = dist.get_rank()
-    store = default_store()
-    key = f"fsdp_compile/agreement/{seq}"
-    mine = fingerprint(gm)
-    store.set(f"{key}/{me}", json.dumps({"kind": kind, "collectives": mine}))
-    wanted = [f"{key}/{r}" for r in peers]
-    try:
-        store.wait(wanted, datetime.timedelta(seconds=timeout_s))
-    except Exception as e:  # the store's timeout error type varies by version
-        missing = [r for r in peers if not store.check([f"{key}/{r}"])]
-        raise RuntimeError(
-            f"fsdp_compile: rank {me} compiled its {kind} graph #{seq}, but ranks {missing} did not within "
-            f"{timeout_s:.0f}s: the ranks compile different graphs (a rank-dependent graph break or "
-            "branch?). Make the model's control flow identical on every rank."
-        ) from e
-    theirs = {r: json.loads(store.get(f"{key}/{r}")) for r in peers}
-    _compare(me, seq, {r: (t["kind"], t["collectives"]) for r, t in theirs.items()})
+
+    def diverged(rank: int, theirs: _peers_mod.Waiting, their_value: str | None) -> str:
+        other = json.loads(their_value) if their_value and theirs.key.startswith("agreement/") else None
+        if other is None:
+            return (f"fsdp_compile: rank {me} compiled {graph.describe()} that rank {rank} never compiled, and "
+                    f"rank {rank} waits for its peers to {theirs.what}: the ranks run different code. Make "
+                    "the model's control flow identical on every rank.")
+        return _difference(me, graph.kind, list(graph.collectives), rank, other["kind"], other["collectives"])
+
+    waiting = _peers_mod.Waiting(key=f"agreement/{graph.key}", what=what, peers=graph.peers)
+    _peers_mod.wait_for(waiting, value, timeout_s=graph.timeout_s, diverged=diverged)
 
 
-def _compare(me: int, seq: int, graphs: dict[int, tuple[str, list[str]]]) -> None:
-    reference_rank = min(graphs)
-    ref_kind, ref = graphs[reference_rank]
-    for rank, (kind, coll) in sorted(graphs.items()):
-        if (kind, coll) == (ref_kind, ref):
-            continue
-        i = next((i for i, (a, b) in enumerate(zip(ref, coll)) if a != b), min(len(ref), len(coll)))
-        ref_at = ref[i] if i < len(ref) else "(no more collectives)"
-        got_at = coll[i] if i < len(coll) else "(no more collectives)"
-        raise RuntimeError(
-            f"fsdp_compile: compiled graph #{seq} differs across ranks, so its collectives would deadlock. "
-            f"First difference at collective #{i}: rank {reference_rank} ({ref_kind} graph) issues {ref_at}; "
-            f"rank {rank} ({kind} graph) issues {got_at}. (Seen on rank {me}.) Make the model's control "
-            "flow and shapes identical on every rank."
-        )
+def _difference(me: int, kind: str, mine: list[str], rank: int, their_kind: str, theirs: list[str]) -> str:
+    (a, a_kind, a_seq), (b, b_kind, b_seq) = sorted([(me, kind, mine), (rank, their_kind, theirs)])
+    i = next((i for i, (x, y) in enumerate(zip(a_seq, b_seq)) if x != y), min(len(a_seq), len(b_seq)))
+    a_at = a_seq[i] if i < len(a_seq) else "(no more collectives)"
+    b_at = b_seq[i] if i < len(b_seq) else "(no more collectives)"
+    return (
+        f"fsdp_compile: a compiled graph differs across ranks, so its collectives would deadlock. First "
+        f"difference at collective #{i}: rank {a} ({a_kind} graph) issues {a_at}; rank {b} ({b_kind} graph) "
+        f"issues {b_at}. (Seen on rank {me}.) Make the model's control flow and parameters identical on "
+        "every rank."
+    )

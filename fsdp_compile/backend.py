@@ -38,7 +38,7 @@ from passes.streams import check_streams, streams_pass
 from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
-from . import agreement, autotune
+from . import agreement, autotune, lockstep
 from ._compat import (
     aot_autograd,
     compile_fx_inner,
@@ -86,7 +86,7 @@ class BackendOptions:
     pin_order: bool = True
     elide_single_rank: bool = True
     check_agreement: bool = True
-    agreement_timeout_s: float = 300.0
+    agreement_timeout_s: float | None = None
     dump_dir: str | None = None
     hardware: str | None = None
     calibration: str | None = None
@@ -108,6 +108,10 @@ class BackendOptions:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"make_backend: {name}={value!r}; use a positive number of bytes or None")
+        timeout = self.agreement_timeout_s
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
+            raise ValueError(f"make_backend: agreement_timeout_s={timeout!r}; use a positive number of seconds, or "
+                             "None for the process group's timeout")
         unknown = set(self.disabled_passes) - set(PASS_NAMES)
         if unknown:
             raise ValueError(f"make_backend: disabled_passes {sorted(unknown)} match no pass; known: {list(PASS_NAMES)}")
@@ -214,16 +218,22 @@ def _compile(
 ) -> Callable[..., Any]:
     gm = _schedule(gm, options, hw)
     kind = "backward" if is_backward else "inference" if is_inference else "forward"
-    if options.check_agreement:
-        agreement.check_agreement(gm, kind, timeout_s=options.agreement_timeout_s)
+    identity = agreement.identify(gm, kind, options.agreement_timeout_s) if options.check_agreement else None
+    if identity is not None:
+        agreement.check_agreement(identity)
     graph_id = next(_graph_ids)
     log_schedule(kind, lambda: report(gm, hw))
     if options.dump_dir is not None:
         dump(gm, options.dump_dir, f"{kind}_{graph_id}", hw)
     for observer in _observers:
         observer(kind, gm)
-    if not options.inductor:
-        return make_boxed_func(gm.forward)
+    compiled = _inductor(gm, example_inputs, options=options, graph_id=graph_id, is_backward=is_backward,
+                         is_inference=is_inference) if options.inductor else make_boxed_func(gm.forward)
+    return lockstep.guard(compiled, identity) if identity is not None else compiled
+
+
+def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: BackendOptions, graph_id: int,
+              is_backward: bool, is_inference: bool) -> Callable[..., Any]:
     # NOTE [pinning the schedule]: Inductor's memory-driven reordering moves collectives back next to
     # their waits (prefetches sink, reduce-scatter waits rise), undoing the schedule. With it off, the
     # generated code issues collectives and waits in the FX order (tests/test_schedules.py checks
@@ -249,7 +259,7 @@ def make_backend(
     pin_order: bool = True,
     elide_single_rank: bool = True,
     check_agreement: bool = True,
-    agreement_timeout_s: float = 300.0,
+    agreement_timeout_s: float | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
     hardware: str | None = None,
     calibration: str | os.PathLike[str] | None = None,
@@ -271,8 +281,9 @@ def make_backend(
     ``pin_order=False`` lets Inductor reorder collectives by its own memory heuristics (for comparison).
     ``elide_single_rank=False`` keeps the collectives of one-rank groups (for measuring their cost).
     ``check_agreement``: before a compiled graph runs, compare its collective sequence with every peer
-    rank's and raise on a difference (NOTE [agreement]); a peer that compiles no such graph within
-    ``agreement_timeout_s`` raises too. ``dump_dir``: write each compiled graph's schedule (table,
+    rank's and raise on a difference (NOTE [agreement]), and notice ranks that run different sequences
+    of compiled graphs (NOTE [lockstep]); a peer that failed or is gone is named within seconds, one
+    that is alive but never comes after ``agreement_timeout_s`` (default: the process group's timeout). ``dump_dir``: write each compiled graph's schedule (table,
     Chrome trace, PNG timeline) there, one set of files per graph and rank. ``hardware`` (a preset of
     ``cost.HARDWARE``; default: this device's) and ``calibration`` (a JSON of measured numbers) set the
     cost model behind the estimated times in dumps, logs and ``"auto"`` settings.

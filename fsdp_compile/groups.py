@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import peers
+
 __all__ = ["Dedicated", "FsdpGroups"]
 
 
@@ -51,6 +53,7 @@ class FsdpGroups:
     dedicated: Dedicated
     replicate: ProcessGroup | None = None
     _owned: list[ProcessGroup] = field(default_factory=list, repr=False)
+    _heartbeat: bool = field(default=False, repr=False)  # holds a peers.start() (NOTE [peers])
 
     @classmethod
     def create(
@@ -103,7 +106,9 @@ class FsdpGroups:
             extra = _same_ranks_group(base, desc=f"fsdp_{mode.value}")
             owned.append(extra)
             ag, rs = (base, extra) if mode is Dedicated.REDUCE_SCATTER else (extra, base)
-        return cls(all_gather=ag, reduce_scatter=rs, dedicated=mode, replicate=replicate, _owned=owned)
+        peers.start()
+        return cls(all_gather=ag, reduce_scatter=rs, dedicated=mode, replicate=replicate, _owned=owned,
+                   _heartbeat=True)
 
     @property
     def shard_size(self) -> int:
@@ -120,6 +125,9 @@ class FsdpGroups:
         for pg in self._owned:
             dist.destroy_process_group(pg)
         self._owned.clear()
+        if self._heartbeat:
+            self._heartbeat = False
+            peers.release()
 
 
 def _same_ranks_group(base: ProcessGroup, *, desc: str) -> ProcessGroup:

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import peers
+
 __all__ = ["RankFailure", "run_ranks"]
 
 
@@ -51,14 +53,15 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
         buf = io.BytesIO()
         torch.save(out, buf)  # by value: the process may exit before the parent maps shared memory
         results.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # reported to the parent, which raises
+    except BaseException as e:  # reported to the parent, which raises
+        peers.note_failure(f"{type(e).__name__}: {e}")  # and to the peers, so they stop waiting at once
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _collect(results: Any, world_size: int, procs: list, deadline: float) -> dict[int, tuple[str, Any]]:
+def _collect(results: Any, world_size: int, procs: list, deadline: float, grace_s: float) -> dict[int, tuple[str, Any]]:
     got: dict[int, tuple[str, Any]] = {}
     while len(got) < world_size and time.monotonic() < deadline:
         try:
@@ -68,27 +71,30 @@ def _collect(results: Any, world_size: int, procs: list, deadline: float) -> dic
             if all(not p.is_alive() for p in procs) and results.empty():
                 break
         if any(s == "error" for s, _ in got.values()):
-            # A failed rank leaves its peers blocked in a collective: give them a moment to report
+            # A failed rank leaves its peers blocked in a collective: give them ``grace_s`` to report
             # (gloo's own timeout fires later), then stop waiting.
-            grace = min(deadline, time.monotonic() + 10)
+            grace = min(deadline, time.monotonic() + grace_s)
             while len(got) < world_size and time.monotonic() < grace:
                 try:
                     rank, status, payload = results.get(timeout=0.5)
                     got[rank] = (status, payload)
                 except queue.Empty:
-                    pass
+                    if all(not p.is_alive() for r, p in enumerate(procs) if r not in got):
+                        break  # the rest died without a word
             break
     return got
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
-              pg_timeout_s: float = 120.0, threads: int | None = None, backend: str = "gloo") -> list[Any]:
+              pg_timeout_s: float = 120.0, threads: int | None = None, backend: str = "gloo",
+              grace_s: float = 10.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     ``fn`` must be importable by module path (spawned processes unpickle it). Each rank uses
     ``threads`` intra-op threads (default: the cores divided among the ranks, at least one).
     With ``backend="nccl"`` rank ``r`` uses GPU ``r`` (one GPU per rank). Results travel by value
-    (``torch.save``), so tensors are fine.
+    (``torch.save``), so tensors are fine. Once a rank has failed, the others get ``grace_s`` seconds to
+    finish or fail on their own before they are killed.
     """
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -103,7 +109,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     for p in procs:
         p.start()
     try:
-        got = _collect(results, world_size, procs, time.monotonic() + timeout)
+        got = _collect(results, world_size, procs, time.monotonic() + timeout, grace_s)
     finally:
         for p in procs:
             p.join(timeout=5)

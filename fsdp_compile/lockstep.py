@@ -1,0 +1,136 @@
+"""Lockstep: notice, while compiled graphs run, that ranks run different sequences of them.
+
+NOTE [lockstep]: the agreement check (NOTE [agreement]) compares graphs when they are compiled. Once
+every rank has compiled the same graphs, a rank can still *run* a different sequence of them: an
+evaluation on rank 0 only (``if rank == 0: model(x)``) runs the inference graph there while rank 1 runs
+the training forward, and their collectives pair up wrongly: a hang, a gloo abort or, where the sizes
+happen to match, the wrong parameters exchanged. Checking every call would cost a store round trip
+per graph; instead a rank *checks in* with its peers (``peers.wait_for``) only when its sequence does
+something new:
+
+- a transition between two graphs (previous graph -> this graph) that it has not run before: the first
+  steps of training, the first evaluation, a new graph break;
+- entering an inference graph from a non-inference one: every evaluation phase (not every batch).
+
+Ranks in lockstep reach these calls together, so their check-ins pair up and they go on; a rank whose
+sequence departs waits alone and raises, naming what its peers run instead, before any collective of
+the departing graph is issued. In steady training no check-in happens: a dictionary lookup per call.
+
+And when a collective inside a compiled graph fails (gloo's timeout, a closed connection), the error
+gets a note saying what every peer is doing (``peers.describe``), e.g. "rank 0: waiting for its peers
+to run an inference graph", so the message names the mistake and not only its symptom.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from . import peers
+from .agreement import GraphIdentity
+
+__all__ = ["guard"]
+
+
+@dataclass
+class _Sequence:
+    """This process's graph calls, per set of peers (graphs over other groups are checked apart)."""
+
+    world: weakref.ref
+    last: dict[tuple[int, ...], GraphIdentity] = field(default_factory=dict)
+    seen: set[tuple[str | None, str]] = field(default_factory=set)
+    calls: dict[tuple[int, ...], int] = field(default_factory=dict)
+    check_ins: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+
+_state: _Sequence | None = None
+
+
+def _sequence() -> _Sequence:
+    global _state
+    world = dist.group.WORLD
+    if _state is None or _state.world() is not world:  # a new default process group starts afresh
+        _state = _Sequence(world=weakref.ref(world))
+    return _state
+
+
+def _before_call(graph: GraphIdentity) -> None:
+    seq = _sequence()
+    prev = seq.last.get(graph.peers)
+    seq.last[graph.peers] = graph
+    call = seq.calls[graph.peers] = seq.calls.get(graph.peers, 0) + 1
+    transition = (prev.key if prev is not None else None, graph.key)
+    entering_eval = graph.kind == "inference" and (prev is None or prev.kind != "inference")
+    if transition in seq.seen and not entering_eval:
+        return
+    seq.seen.add(transition)
+    _check_in(seq, graph, prev, call)
+
+
+def _check_in(seq: _Sequence, graph: GraphIdentity, prev: GraphIdentity | None, call: int) -> None:
+    k = seq.check_ins[graph.peers] = seq.check_ins.get(graph.peers, 0) + 1
+    after = f"after {prev.describe()}" if prev is not None else "as its first graph"
+    what = f"run {graph.describe()} as graph call #{call}, {after}"
+    value = json.dumps({"call": call, "graph": graph.key, "after": prev.key if prev is not None else None,
+                        "what": what})
+    group_key = "-".join(map(str, graph.peers))
+    me = dist.get_rank()
+
+    def diverged(rank: int, theirs: peers.Waiting, _their_value: str | None) -> str:
+        return (f"fsdp_compile: rank {me} is about to {what}, but rank {rank} waits for its peers to "
+                f"{theirs.what}. {_ADVICE}")
+
+    waiting = peers.Waiting(key=f"lockstep/{group_key}/{k}", what=what, peers=graph.peers)
+    got = peers.wait_for(waiting, value, timeout_s=graph.timeout_s, diverged=diverged)
+    for rank, theirs in sorted(got.items()):
+        other = json.loads(theirs)
+        if other["graph"] != graph.key or other["after"] != (prev.key if prev else None) or other["call"] != call:
+            message = f"fsdp_compile: rank {me} is about to {what}, but rank {rank} is about to {other['what']}. {_ADVICE}"
+            peers.note_failure(message)
+            raise peers.PeerError(message)
+
+
+_ADVICE = peers.DIVERGED_ADVICE
+
+
+def _failure_note(error: BaseException, graph: GraphIdentity) -> str:
+    me = dist.get_rank()
+    first = str(error).splitlines()[0] if str(error) else ""
+    peers.note_failure(f"{peers.COLLECTIVE_FAILED} {graph.describe()} ({type(error).__name__}: {first})")
+    doing = peers.describe_all(graph.peers)
+    cause = (f"A peer waits for a graph this rank did not run. {_ADVICE}" if "waiting for its peers" in doing
+             else "A peer that failed or is gone is the cause: look at its output.")
+    return f"fsdp_compile: a collective of {graph.describe()} failed on rank {me}. Its peers: {doing}. {cause}"
+
+
+def _is_communication_error(error: BaseException) -> bool:
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(w in text for w in ("gloo", "Gloo", "NCCL", "Timed out", "Connection"))
+
+
+def guard(compiled: Callable[[list[Any]], Any], graph: GraphIdentity) -> Callable[[list[Any]], Any]:
+    """``compiled`` (a boxed graph callable) with the lockstep check-ins and failure notes."""
+
+    def run(args: list[Any]) -> Any:
+        _before_call(graph)
+        try:
+            return compiled(args)
+        except Exception as e:
+            if not _is_communication_error(e) or isinstance(e, peers.PeerError):
+                raise
+            note = _failure_note(e, graph)
+            if not hasattr(e, "add_note"):  # Python 3.10
+                raise RuntimeError(note) from e
+            e.add_note(note)  # the error keeps its type: callers may catch DistBackendError
+            raise
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,318 @@
+"""Peers: a wait on other ranks that tells a failed rank from a slow one and from a diverged one.
+
+NOTE [peers]: the cross-rank checks (``agreement.py`` when a graph is compiled, ``lockstep.py`` when
+graphs run) wait for other ranks through the default process group's key-value store. A bare wait
+cannot tell a slow peer from a dead one, or from one that will never come because it waits for
+something else, and so ends, much later, with the wrong diagnosis. Hence:
+
+- From ``FsdpGroups.create()`` on, every rank runs a *heartbeat* thread that bumps ``alive/<rank>`` in
+  the store every second, on a store connection of its own. A peer whose heartbeat stays still for
+  ``STALE_S`` seconds is gone. A rank that fails or exits also says so (``failed/<rank>``,
+  ``exited/<rank>``): from ``sys.excepthook``, at exit, from ``launch.run_ranks`` and from our own checks.
+- A rank that waits publishes what it waits for (``waiting/<rank>``: a key and a description). If a peer
+  it waits for is itself waiting for a key this rank never posted, neither can go on: they diverged.
+- If the store's host (rank 0, or torchrun's agent) is gone, store calls fail: that is reported too.
+
+So :func:`wait_for` returns every peer's value, or raises :class:`PeerError` naming the rank and what
+happened: within seconds when a peer is gone or diverged, at the process group's timeout when a peer is
+alive but never comes. The heartbeat costs one small store write per rank per second.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ._compat import default_store, store_connection
+
+__all__ = ["COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "PeerError", "Waiting", "describe", "describe_all", "note_failure", "release", "start", "wait_for"]
+
+HEARTBEAT_S = 1.0
+STALE_S = 10.0
+LINGER_S = 10.0
+_NS = "fsdp_compile/"
+# A failure note that starts so says the rank was running collectives that its peers did not join.
+COLLECTIVE_FAILED = "a collective failed in"
+DIVERGED_ADVICE = (
+    "The ranks run different sequences of compiled graphs: a forward or an evaluation on some ranks only "
+    "(e.g. `if rank == 0: model(x)`), or a rank-dependent graph break? Every rank must call the model the "
+    "same number of times, in the same order: evaluate on every rank and all-reduce the metric."
+)
+
+
+class PeerError(RuntimeError):
+    """A peer rank failed, is gone, diverged or did not come in time (the message says which)."""
+
+
+@dataclass
+class _Heartbeat:
+    world: weakref.ref  # the WORLD group this heartbeat belongs to
+    rank: int
+    stop: threading.Event = field(default_factory=threading.Event)
+    lost: str | None = None  # why the heartbeat could not write to the store any more
+
+
+_heartbeat: _Heartbeat | None = None
+_users = 0  # FsdpGroups alive in this process
+_hooks_installed = False
+
+
+def _store() -> dist.Store:
+    return default_store()
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+
+
+def start() -> None:
+    """Start this rank's heartbeat (once per default process group; each call is matched by a
+    :func:`release`); a no-op without a real process group."""
+    global _heartbeat, _users
+    if not _active():
+        return
+    _users += 1
+    world = dist.group.WORLD
+    if _heartbeat is not None and _heartbeat.world() is world and not _heartbeat.stop.is_set():
+        return
+    if _heartbeat is not None:
+        _heartbeat.stop.set()
+    beat = _Heartbeat(world=weakref.ref(world), rank=dist.get_rank())
+    conn = store_connection(_store())
+    threading.Thread(target=_beat, args=(beat, conn), name="fsdp_compile-heartbeat", daemon=True).start()
+    _heartbeat = beat
+    _install_hooks()
+
+
+def release() -> None:
+    """Undo one :func:`start`; the heartbeat stops with the last (``FsdpGroups.destroy()``)."""
+    global _users
+    _users = max(0, _users - 1)
+    if _users == 0 and _heartbeat is not None:
+        _heartbeat.stop.set()
+
+
+def _beat(beat: _Heartbeat, conn: dist.Store) -> None:
+    n = 0
+    while not beat.stop.is_set():
+        try:
+            conn.set(f"{_NS}alive/{beat.rank}", str(n))
+        except RuntimeError as e:  # the store's host is gone
+            beat.lost = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return
+        n += 1
+        if beat.stop.wait(HEARTBEAT_S):
+            return
+
+
+def _install_hooks() -> None:
+    """Say ``failed`` on an uncaught exception and ``exited`` at exit, so peers learn it at once."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+        note_failure(f"{kind.__name__}: {value}")
+        previous(kind, value, tb)  # type: ignore[arg-type]
+
+    sys.excepthook = excepthook
+    atexit.register(_note, "exited", "exited")
+
+
+def _note(kind: str, text: str) -> None:
+    if _heartbeat is None or not _active():
+        return
+    try:
+        _store().set(f"{_NS}{kind}/{_heartbeat.rank}", text)
+    except RuntimeError:
+        pass  # the store is gone too: peers notice the silence
+
+
+def note_failure(text: str) -> None:
+    """Tell peers this rank failed (first line of ``text`` is kept), so their waits end at once."""
+    first = text.strip().splitlines()[0] if text.strip() else "failed"
+    if not _failures:  # the first failure is the cause; what follows is its consequence
+        _failures.append(first[:2000])
+    _note("failed", _failures[0])
+
+
+_failures: list[str] = []
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What a rank waits for: a store key every peer posts under, and words for messages."""
+
+    key: str
+    what: str  # e.g. "compile a forward graph with these 9 collectives"
+    peers: tuple[int, ...]
+
+
+class _Liveness:
+    """Watches peers' heartbeats while one wait lasts."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.start = time.monotonic()
+        self.seen: dict[int, tuple[bytes, float]] = {}
+
+    def why_gone(self, rank: int) -> str | None:
+        s = self.store
+        if s.check([f"{_NS}failed/{rank}"]):
+            return f"failed ({s.get(f'{_NS}failed/{rank}').decode()})"
+        if s.check([f"{_NS}exited/{rank}"]):
+            return "exited"
+        now = time.monotonic()
+        if not s.check([f"{_NS}alive/{rank}"]):
+            if now - self.start > STALE_S:
+                return (f"showed no sign of life for {now - self.start:.0f} s (no heartbeat: it failed or "
+                        "exited before FsdpGroups.create(), or runs other code)")
+            return None
+        value = s.get(f"{_NS}alive/{rank}")
+        last = self.seen.get(rank)
+        if last is None or last[0] != value:
+            self.seen[rank] = (value, now)
+            return None
+        if now - last[1] > STALE_S:
+            return f"stopped: no heartbeat for {now - last[1]:.0f} s (it raised, exited or was killed)"
+        return None
+
+
+def _waiting_of(store: dist.Store, rank: int) -> Waiting | None:
+    key = f"{_NS}waiting/{rank}"
+    if not store.check([key]):
+        return None
+    raw = store.get(key).decode()
+    if not raw:
+        return None
+    d = json.loads(raw)
+    return Waiting(key=d["key"], what=d["what"], peers=tuple(d["peers"]))
+
+
+def _lost_store(me: int, what: str, err: BaseException) -> PeerError:
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return PeerError(
+        f"fsdp_compile: rank {me} lost the connection to the process group's store while waiting for its "
+        f"peers to {what} ({first}). The store lives on rank 0 (or in torchrun's agent): rank 0 is most "
+        "likely gone (it raised, exited or was killed); its own output says why."
+    )
+
+
+def wait_for(
+    waiting: Waiting,
+    value: str,
+    *,
+    timeout_s: float,
+    diverged: Callable[[int, Waiting, str | None], str],
+) -> dict[int, str]:
+    """Post ``value`` under ``waiting.key`` for this rank; wait until every peer of ``waiting`` posted too.
+
+    Returns every rank's value (this one's included). Raises :class:`PeerError` when a peer failed or is
+    gone, when the store is gone, after ``timeout_s`` when a peer is alive but has not posted, and when a
+    peer waits for a key this rank never posted: then the message is ``diverged(rank, what it waits
+    for, the value it posted there)``.
+    """
+    me = dist.get_rank()
+    store = _store()
+    key = waiting.key
+    others = [p for p in waiting.peers if p != me]
+    try:
+        store.set(f"{_NS}{key}/{me}", value)
+        if not others:
+            return {me: value}
+        store.set(f"{_NS}waiting/{me}", json.dumps({"key": key, "what": waiting.what, "peers": list(waiting.peers)}))
+        try:
+            _wait(store, key, others, me, waiting, timeout_s, diverged)
+            got = {p: store.get(f"{_NS}{key}/{p}").decode() for p in others}
+        finally:
+            store.set(f"{_NS}waiting/{me}", "")
+    except PeerError as e:
+        note_failure(str(e))
+        raise
+    except RuntimeError as e:  # a store call failed: its host is gone
+        raise _lost_store(me, waiting.what, e) from e
+    got[me] = value
+    return got
+
+
+def _wait(store: dist.Store, key: str, others: list[int], me: int, waiting: Waiting, timeout_s: float,
+          diverged: Callable[[int, Waiting, str | None], str]) -> None:
+    live = _Liveness(store)
+    missing = set(others)
+    pause = 0.002
+    while True:
+        missing = {p for p in missing if not store.check([f"{_NS}{key}/{p}"])}
+        if not missing:
+            return
+        if _heartbeat is not None and _heartbeat.lost is not None:
+            raise RuntimeError(_heartbeat.lost)
+        for p in sorted(missing):
+            gone = live.why_gone(p)
+            if gone is not None:
+                cause = (f"rank {p} was running other graphs than this rank. {DIVERGED_ADVICE}"
+                         if COLLECTIVE_FAILED in gone else f"look at rank {p}'s own output for the cause")
+                raise PeerError(
+                    f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} {gone}: "
+                    f"{cause} This rank stops too."
+                )
+            theirs = _waiting_of(store, p)
+            if theirs is not None and theirs.key != key and me in theirs.peers \
+                    and not store.check([f"{_NS}{theirs.key}/{me}"]):
+                their_value = store.get(f"{_NS}{theirs.key}/{p}").decode() if store.check(
+                    [f"{_NS}{theirs.key}/{p}"]) else None
+                raise PeerError(diverged(p, theirs, their_value))
+        waited = time.monotonic() - live.start
+        if waited > timeout_s:
+            doing = "; ".join(f"rank {p}: {describe(p)}" for p in sorted(missing))
+            message = (
+                f"fsdp_compile: rank {me} waited {waited:.0f} s (the process group's timeout) for ranks "
+                f"{sorted(missing)} to {waiting.what}; they are alive but did not ({doing}). {DIVERGED_ADVICE}"
+            )
+            note_failure(message)
+            _linger(store, sorted(missing), live)
+            raise PeerError(message)
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.25)
+
+
+def _linger(store: dist.Store, absent: list[int], live: _Liveness) -> None:
+    """Before a rank that timed out raises (and its process, maybe the store's host, exits), give the
+    absent peers up to ``LINGER_S`` to fail on their own, typically in a collective that timed out
+    too, and read this rank's note: their errors then say why, not only that rank 0 is gone."""
+    end = time.monotonic() + LINGER_S
+    while time.monotonic() < end:
+        if all(live.why_gone(p) is not None for p in absent):
+            return
+        time.sleep(0.1)
+
+
+def describe(rank: int) -> str:
+    """What ``rank`` is doing, as far as the store knows (for error messages; never raises)."""
+    try:
+        store = _store()
+        for kind in ("failed", "exited"):
+            if store.check([f"{_NS}{kind}/{rank}"]):
+                return f"{kind}: {store.get(f'{_NS}{kind}/{rank}').decode()}" if kind == "failed" else "exited"
+        theirs = _waiting_of(store, rank)
+        if theirs is not None:
+            return f"waiting for its peers to {theirs.what}"
+        return "running (not in an fsdp_compile check)"
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"unknown: the store is unreachable ({first}), so rank 0 is most likely gone"
+
+
+def describe_all(peers: Sequence[int]) -> str:
+    """One line per peer other than this rank (see :func:`describe`)."""
+    me = dist.get_rank()
+    return "; ".join(f"rank {p}: {describe(p)}" for p in peers if p != me)

@@ -13,18 +13,21 @@ from .checkpoint import (
 )
 from .groups import Dedicated, FsdpGroups
 from .module import FsdpModule
-from .sharding import MixedPrecisionPolicy, fully_shard
+from .grads import ShardGrad
+from .sharding import MixedPrecisionPolicy, fully_shard, local_shard
 
 __all__ = [
     "Dedicated",
     "FsdpGroups",
     "FsdpModule",
     "MixedPrecisionPolicy",
+    "ShardGrad",
     "fsdp_backend",
     "fully_shard",
     "get_full_model_state_dict",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "local_shard",
     "make_backend",
     "set_model_state_dict",
     "set_optimizer_state_dict",

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ._compat import queue_end_of_backward
+from .grads import as_shard_grad
 from .ops import reduce_full_grad
 from .units import ShardedParam, Unit, units_under
 
@@ -60,7 +61,7 @@ def _flush(unit: Unit) -> None:
     for sp, part in zip(ready, reduced.split([r.shape[1] for r in rows])):
         shard_grad = part.to(sp.shard.dtype).view(sp.shard.shape)
         if sp.shard.grad is None:
-            sp.shard.grad = shard_grad
+            sp.shard.grad = as_shard_grad(shard_grad, g.all_gather.group_name, sp.real_rows)  # NOTE [global norms]
         else:
             sp.shard.grad += shard_grad
         sp.accumulator.grad = None  # type: ignore[union-attr]

@@ -32,10 +32,11 @@ def _warn_slow_path() -> None:
     if not _warned.is_set():
         _warned.set()
         warnings.warn(
-            "fsdp_compile: a sharded model ran its unshard/reduce_grad markers eagerly (uncompiled, or "
-            "compiled with another backend). Results are correct, but every parameter is gathered and "
-            "reduced with a blocking collective and nothing overlaps. Use "
-            "torch.compile(model, backend=fsdp_backend) for the scheduled path.",
+            "fsdp_compile: a sharded parameter was gathered eagerly: a sharded model ran uncompiled or "
+            "compiled by another backend, or code read module.<name> outside the compiled model. Results "
+            "are correct, but each such read is a blocking all-gather that every rank must make, and "
+            "nothing overlaps. Use torch.compile(model, backend=fsdp_backend) for the scheduled path, and "
+            "fsdp_compile.local_shard(module, name) to read this rank's rows without communication.",
             stacklevel=3,
         )
 
@@ -82,11 +83,24 @@ def unshard(
     _warn_slow_path()
     x = shard if param_dtype is None else shard.to(param_dtype)
     if world_size > 1:
-        gathered = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), world_size, ag_group)
-        x = torch.ops._c10d_functional.wait_tensor(gathered)
-    else:
-        x = x.clone()
-    return x[: _dim0(full_shape)].reshape(full_shape).contiguous()
+        x = _gather_eagerly(x, world_size, ag_group, name)
+    # A fresh tensor, not a view: a view of an internal buffer cannot be written into by the caller
+    # (NOTE [reading a sharded parameter]), and a custom op's output may not alias its input.
+    return x[: _dim0(full_shape)].reshape(full_shape).clone()
+
+
+def _gather_eagerly(x: Tensor, world_size: int, group: str, name: str) -> Tensor:
+    try:
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), world_size, group)
+        return torch.ops._c10d_functional.wait_tensor(gathered)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RuntimeError(
+            f"fsdp_compile: gathering {name} outside compiled code failed ({first}). Reading a sharded "
+            "parameter outside a graph compiled by fsdp_backend is a collective: every rank of its group "
+            "must read it at the same point (not `if rank == 0: print(module.weight)`). To read this rank's "
+            "rows without communication, use fsdp_compile.local_shard(module, name)."
+        ) from e
 
 
 @unshard.register_fake

@@ -10,18 +10,21 @@ then on the root, as with FSDP2. After the call, each of the unit's parameters i
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .gathered import gathered
+from .grads import ShardGrad, as_shard_grad
 from .groups import FsdpGroups
-from .module import mix_in
+from .module import FsdpModule, mix_in
 from .ops import shard_rows
 from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of
 
-__all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "unit_of"]
+__all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "local_shard", "unit_of"]
 
 
 class Unshard(nn.Module):
@@ -37,7 +40,10 @@ class Unshard(nn.Module):
         # The constant arguments are computed once (``marker_args``), not re-read per trace: Dynamo
         # traces this for every parameter read.
         accumulate = p.accumulator if (not unit.requires_grad_sync or unit.pending) else None
-        return torch.ops.fsdp.unshard(shard, *p.marker_args, accumulate)
+        full = torch.ops.fsdp.unshard(shard, *p.marker_args, accumulate)
+        if torch.compiler.is_compiling():
+            return full
+        return gathered(full, p)  # NOTE [reading a sharded parameter]
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
         # Called once at registration with the full param; a shared param's second registration
@@ -46,18 +52,42 @@ class Unshard(nn.Module):
             assert tensor is self.param.shard
             return tensor
         self.param.sharded = True
-        return _local_shard(tensor.detach(), self.param.unit.groups)
+        return _local_shard(tensor.detach(), self.param)
 
 
-def _local_shard(full: Tensor, groups: FsdpGroups) -> Tensor:
-    world = groups.shard_size
+def _local_shard(full: Tensor, sp: ShardedParam) -> Tensor:
+    groups = sp.unit.groups
     rank = groups.all_gather.rank()
     flat = full.reshape(1) if full.dim() == 0 else full
-    rows = shard_rows(flat.shape[0], world)
+    rows = shard_rows(flat.shape[0], groups.shard_size)
     start, stop = min(rank * rows, flat.shape[0]), min((rank + 1) * rows, flat.shape[0])
     shard = flat.new_zeros(rows, *flat.shape[1:])
     shard[: stop - start].copy_(flat[start:stop])
+    sp.shard_index, sp.real_rows = rank, stop - start
     return shard
+
+
+def _register_grad_hook(p: nn.Parameter, hook: Callable[[Tensor], None]) -> None:
+    """Register ``hook`` after grad accumulation, also on a frozen param (it stays registered if the
+    param is unfrozen later; torch only takes the registration while ``requires_grad`` is set)."""
+    frozen = not p.requires_grad
+    p.requires_grad_(True)
+    p.register_post_accumulate_grad_hook(hook)
+    p.requires_grad_(not frozen)
+
+
+def _hand_out_global_grads(sp: ShardedParam) -> Callable[[Tensor], None]:
+    """A post-accumulate-grad hook: the shard's ``.grad`` becomes a :class:`ShardGrad` (NOTE [global
+    norms]), so ``clip_grad_norm_`` and other norms over it are global."""
+    group_name = sp.unit.groups.all_gather.group_name
+    rows = sp.real_rows
+
+    def hook(param: Tensor) -> None:
+        grad = param.grad
+        if grad is not None and type(grad) is not ShardGrad:
+            param.grad = as_shard_grad(grad, group_name, rows)
+
+    return hook
 
 
 def _check_params(module: nn.Module, unit_name: str, new: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
@@ -102,7 +132,7 @@ def fully_shard(
         raise TypeError(
             f"fully_shard: groups must be an FsdpGroups (FsdpGroups.create()), got {type(groups).__name__}."
         )
-    unit_name = type(module).__name__
+    unit_name = class_name(module)
     if module in _units:
         raise ValueError(
             f"fully_shard({unit_name}): this module is already a unit; call fully_shard once per module "
@@ -112,6 +142,7 @@ def fully_shard(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
 
+    _check_order(module, unit_name)
     # Which (owner, name, param) does this unit take? Everything not managed yet; a param that an
     # earlier unit manages may only appear here behind that unit's parametrization.
     new: list[tuple[nn.Module, str, nn.Parameter]] = []
@@ -153,12 +184,63 @@ def fully_shard(
         pname = fqn.rsplit(".", 1)[-1]
         with torch.no_grad():
             parametrize.register_parametrization(owner, pname, Unshard(sp), unsafe=True)
+        if _params.get(p) is None:
+            _register_grad_hook(p, _hand_out_global_grads(sp))
         _params[p] = sp
     _units[module] = unit
     _renumber_subunits(module, unit)
     _cast_hooks(module, mp_policy)
     mix_in(module)
     return module
+
+
+def class_name(module: nn.Module) -> str:
+    """The user's class name of ``module``, not the classes that parametrizations and ``FsdpModule``
+    generate around it."""
+    for cls in type(module).__mro__:
+        if not issubclass(cls, FsdpModule) and cls.__module__ != parametrize.__name__:
+            return cls.__name__
+    return type(module).__name__
+
+
+def _check_order(module: nn.Module, unit_name: str) -> None:
+    """Refuse a module whose parameters an enclosing module's unit already took (root sharded first):
+    it would become a unit with no parameters, and the root would gather everything at once."""
+    inside = {id(m) for m in module.modules()}
+    for mod_name, owner in module.named_modules():
+        if not parametrize.is_parametrized(owner):
+            continue
+        for pname, chain in owner.parametrizations.items():  # type: ignore[union-attr]
+            other = next((p.param.unit for p in chain if isinstance(p, Unshard)), None)
+            if other is not None and id(other.module) not in inside:
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                raise ValueError(
+                    f"fully_shard({unit_name}): its parameter {fqn!r} already belongs to the unit of the enclosing "
+                    f"{class_name(other.module)}, so fully_shard was called on the outer module first. Call "
+                    "fully_shard on the blocks first, then on the root (as with FSDP2): "
+                    "`for block in model.layers: fully_shard(block, groups=groups)`, then "
+                    "`fully_shard(model, groups=groups)`."
+                )
+
+
+def local_shard(module: nn.Module, name: str) -> nn.Parameter:
+    """This rank's shard of the sharded parameter ``module.<name>``, with no communication.
+
+    It is the ``nn.Parameter`` the optimizer updates and ``model.parameters()`` yields: rows
+    ``[i * r, (i + 1) * r)`` of dim 0 of the full parameter for the rank at place ``i`` of the shard group
+    (``r = ceil(dim0 / shard world)``), zero-padded past the end (NOTE [padding]); its ``.grad`` is this
+    rank's rows of the averaged gradient. Reading ``module.<name>`` instead gathers the full parameter
+    from every rank (NOTE [reading a sharded parameter]).
+    """
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    chain = owner.parametrizations[leaf] if parametrize.is_parametrized(owner, leaf) else ()  # type: ignore[index]
+    if not any(isinstance(p, Unshard) for p in chain):
+        raise ValueError(
+            f"local_shard: {name!r} of {type(module).__name__} is not a sharded parameter; call fully_shard on "
+            f"the module that holds it first, or read module.{name} directly."
+        )
+    return chain.original  # type: ignore[union-attr]
 
 
 def _cast(tensors: object, dtype: torch.dtype) -> object:

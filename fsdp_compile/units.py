@@ -66,6 +66,8 @@ class ShardedParam:
     local_name: str  # relative to the unit's module
     unit: Unit
     sharded: bool = False  # True once ``shard`` holds the shard rather than the full param
+    shard_index: int = 0  # this rank's place in the shard group: it holds rows [index * rows, ...)
+    real_rows: int = 0  # rows of ``shard`` that are the param's (the rest are padding, NOTE [padding])
     accumulator: Tensor | None = None  # the leaf that collects full grads without sync (accumulate.py)
     marker_args: tuple = ()  # fsdp::unshard's constant arguments, set whenever units are (re)numbered
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_compile import FsdpGroups, fully_shard, make_backend
+from fsdp_compile import FsdpGroups, fully_shard, local_shard, make_backend
 
 
 def test_no_process_group() -> None:
@@ -74,3 +74,30 @@ def test_unmanaged_trainable_param_is_refused_at_compile(groups: FsdpGroups) -> 
     compiled = torch.compile(model, backend=make_backend(inductor=False))
     with pytest.raises(Exception, match=r"not managed by any fully_shard unit.*fully_shard\(model, groups=groups\)"):
         compiled(torch.randn(2, 4))
+
+
+def test_root_before_blocks_is_refused(groups: FsdpGroups) -> None:
+    """The root first would take every parameter; the blocks would become empty units. Refused, with
+    the order to use."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model, groups=groups)
+    with pytest.raises(ValueError, match=r"fully_shard\(Linear\): its parameter 'weight' already belongs to the unit "
+                                         r"of the enclosing Sequential.*blocks first, then on the root"):
+        fully_shard(model[0], groups=groups)
+
+
+def test_local_shard(groups: FsdpGroups) -> None:
+    """``local_shard`` is the parameter the optimizer sees: rank 0's first ceil(5 / 2) = 3 rows."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 4))
+    fully_shard(model, groups=groups)
+    shard = local_shard(model[0], "weight")
+    assert shard is model[0].parametrizations.weight.original
+    assert shard.shape == (3, 4) and any(p is shard for p in model.parameters())
+    assert local_shard(model, "0.bias").shape == (3,)
+    with pytest.raises(ValueError, match=r"'weight' of ReLU is not a sharded parameter"):
+        local_shard(nn.ReLU(), "weight")
+
+
+def test_bad_agreement_timeout() -> None:
+    with pytest.raises(ValueError, match=r"agreement_timeout_s=0.*positive number of seconds"):
+        make_backend(agreement_timeout_s=0)

@@ -1,0 +1,111 @@
+"""Mistakes a new user makes, on real gloo ranks: each gives the right numbers, or a clear error that
+names the rank and the fix within the process group's timeout; none hangs (every run has a deadline).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fsdp_compile.launch import RankFailure, run_ranks
+
+from .misuse_workers import (
+    clip_training,
+    forward_on_rank_zero_only,
+    freeze_and_init_after_sharding,
+    peer_fails_before_first_forward,
+    ragged_lengths,
+    soak,
+)
+
+PG_TIMEOUT_S = 12.0  # the process group's timeout in the tests that wait for it
+ALLOWED_S = PG_TIMEOUT_S + 30.0  # the target: every surviving rank raises within the timeout + 30 s
+
+
+def _rank_text(failure: RankFailure, rank: int) -> str:
+    parts = re.split(r"^--- ", str(failure), flags=re.M)
+    found = [p for p in parts if p.startswith(f"rank {rank} raised")]
+    assert found, f"rank {rank} did not raise:\n{failure}"
+    return found[0]
+
+
+def _seconds(text: str) -> float:
+    match = re.search(r"\[after ([0-9.]+) s\]", text)
+    assert match, text
+    return float(match.group(1))
+
+
+def test_clip_grad_norm_is_global_with_uneven_shards() -> None:
+    """``clip_grad_norm_(model.parameters(), max_norm)`` returns the unsharded model's norm and clips every
+    rank by the same factor; so do ``get_total_norm`` (foreach or not, any order) and per-param norms."""
+    results = run_ranks(clip_training, 3, 3, 0.05, timeout=300)
+    for r in results:
+        assert r["ref_clipped"][0] > 0.05  # clipping is active
+        assert r["clipped"] == pytest.approx(r["ref_clipped"], rel=1e-5)
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+        for mine, ref in zip(r["norms"], r["ref_norms"]):
+            for key in ("total", "total_no_foreach", "inf", "minus_inf", "l1"):
+                assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), key
+            assert sorted(mine["per_param"]) == pytest.approx(sorted(ref["per_param"]), rel=1e-5, abs=1e-9)
+            assert sorted(mine["fro"]) == pytest.approx(sorted(ref["fro"]), rel=1e-5, abs=1e-9)
+        assert "needs whole columns" in r["nuclear"]
+
+
+def test_ranks_that_recompile_at_different_steps_train_correctly() -> None:
+    """Sequence lengths [6,6,5,4] on rank 0 and [6,5,5,4] on rank 1: the ranks recompile at different
+    steps; the agreement check compares collectives, not graph counts, so no rank waits for a graph its
+    peer never compiles (it would raise at the 12 s timeout)."""
+    results = run_ranks(ragged_lengths, 2, {"inductor": False}, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    for r in results:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("victim,how", [(1, "raise"), (1, "exit"), (0, "exit")])
+def test_a_failed_peer_is_named_in_time(victim: int, how: str) -> None:
+    """A rank raises, or dies without a word, before its first forward; the survivor, waiting in the
+    agreement check, names it within the timeout + 30 s (rank 0 also hosts the store)."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(peer_fails_before_first_forward, 2, victim, how, pg_timeout_s=PG_TIMEOUT_S,
+                  timeout=ALLOWED_S + 120, grace_s=ALLOWED_S)
+    text = _rank_text(info.value, 1 - victim)
+    assert _seconds(text) <= ALLOWED_S
+    if victim == 1:
+        assert "but rank 1 failed (ValueError: the data loader" in text or how == "exit"
+        assert "rank 1 stopped: no heartbeat" in text or how == "raise"
+    else:
+        assert "rank 0 is most likely gone" in text or "rank 0 stopped" in text
+
+
+@pytest.mark.parametrize("evaluated_before", [False, True], ids=["first-eval", "after-an-eval-on-all"])
+def test_a_forward_on_some_ranks_only_fails_in_time_and_says_so(evaluated_before: bool) -> None:
+    """``if rank == 0: model(x)`` under no_grad while rank 1 trains on: when the inference graph is new
+    (the agreement check waits) and when every rank compiled it before (a lockstep check-in waits)."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(forward_on_rank_zero_only, 2, evaluated_before, pg_timeout_s=PG_TIMEOUT_S,
+                  timeout=ALLOWED_S + 150, grace_s=ALLOWED_S)
+    for rank in (0, 1):
+        text = _rank_text(info.value, rank)
+        assert _seconds(text) <= ALLOWED_S, text
+        assert "some ranks only" in text, text
+    assert "inference graph" in _rank_text(info.value, 0)
+
+
+def test_freezing_and_initialising_through_module_attributes_after_sharding() -> None:
+    """``module.weight.requires_grad_(False)`` and ``nn.init.constant_(module.weight, ...)`` after
+    ``fully_shard`` act on the parameter, as on an unsharded model; ``local_shard`` reads the rows."""
+    results = run_ranks(freeze_and_init_after_sharding, 2, timeout=300)
+    for r in results:
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+        assert r["frozen"] == ["layers.0.attn.wq.parametrizations.weight.original",
+                               "layers.1.ffn.w1.parametrizations.weight.original"]
+        assert r["wq_unchanged"]
+        assert r["shard_is_rows"]
+
+
+def test_soak_resident_memory_is_flat() -> None:
+    """300 steps of the default schedule (Inductor) with AdamW and clipping: after warm-up, resident
+    memory grows by less than 1% over the last 200 steps on every rank."""
+    for samples in run_ranks(soak, 2, 300, 10, timeout=900):
+        at = dict(samples)
+        assert (at[300] - at[100]) / at[100] < 0.01, samples

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from . import peers
@@ -108,12 +109,20 @@ def _failure_note(error: BaseException, graph: GraphIdentity) -> str:
     return f"fsdp_compile: a collective of {graph.describe()} failed on rank {me}. Its peers: {doing}. {cause}"
 
 
+_COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "pair closure", "socket",
+                        "closed by peer", "broken pipe")
+
+
 def _is_communication_error(error: BaseException) -> bool:
+    """A collective failed: a c10d error, or a runtime error whose text says so (gloo raises plain
+    RuntimeErrors). Out-of-memory errors are not."""
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(error, dist_error):
         return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(w in text for w in ("gloo", "Gloo", "NCCL", "Timed out", "Connection"))
+    if not isinstance(error, RuntimeError) or isinstance(error, torch.OutOfMemoryError):
+        return False
+    text = str(error).lower()
+    return any(w in text for w in _COMMUNICATION_WORDS)
 
 
 def guard(compiled: Callable[[list[Any]], Any], graph: GraphIdentity) -> Callable[[list[Any]], Any]:

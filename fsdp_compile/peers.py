@@ -260,7 +260,7 @@ def _wait(store: dist.Store, key: str, others: list[int], me: int, waiting: Wait
             gone = live.why_gone(p)
             if gone is not None:
                 cause = (f"rank {p} was running other graphs than this rank. {DIVERGED_ADVICE}"
-                         if COLLECTIVE_FAILED in gone else f"look at rank {p}'s own output for the cause")
+                         if COLLECTIVE_FAILED in gone else f"look at rank {p}'s own output for the cause.")
                 raise PeerError(
                     f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} {gone}: "
                     f"{cause} This rank stops too."

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch import fx
@@ -61,8 +63,12 @@ class GraphIdentity:
 
     kind: str  # "forward", "backward" or "inference"
     collectives: tuple[str, ...]
-    peers: tuple[int, ...]  # every rank of every group the graph's collectives use
+    groups: tuple[tuple[int, ...], ...]  # the ranks of each group the graph's collectives use
     timeout_s: float  # how long to wait for peers (the groups' timeout unless set)
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(sorted({r for g in self.groups for r in g}))
 
     @property
     def key(self) -> str:
@@ -80,17 +86,30 @@ def identify(gm: fx.GraphModule, kind: str, timeout_s: float | None = None) -> G
     """The graph's identity, or ``None`` when it needs no peer (no collectives, one rank, no real group)."""
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return None  # a fake process group stands for one rank
-    ranks: set[int] = set()
+    groups: set[tuple[int, ...]] = set()
     timeouts = []
     for n in gm.graph.nodes:
         if is_collective(n):
             group = resolve_group(str(n.args[-1]))
-            ranks.update(dist.get_process_group_ranks(group))
+            groups.add(tuple(dist.get_process_group_ranks(group)))
             timeouts.append(group_timeout_s(group))
-    if len(ranks) <= 1:
+    if all(len(g) <= 1 for g in groups):
         return None
-    return GraphIdentity(kind=kind, collectives=tuple(fingerprint(gm)), peers=tuple(sorted(ranks)),
+    return GraphIdentity(kind=kind, collectives=tuple(fingerprint(gm)), groups=tuple(sorted(groups)),
                          timeout_s=timeout_s if timeout_s is not None else max(timeouts))
+
+
+# Keys every peer has posted, per default process group (a recompile with the same collectives need
+# not wait again, and must not post twice: peers count posts).
+_agreed: tuple[Any, set[str]] = (None, set())
+
+
+def _agreed_keys() -> set[str]:
+    global _agreed
+    world = dist.group.WORLD
+    if _agreed[0] is None or _agreed[0]() is not world:
+        _agreed = (weakref.ref(world), set())
+    return _agreed[1]
 
 
 def check_agreement(graph: GraphIdentity) -> None:
@@ -108,8 +127,13 @@ def check_agreement(graph: GraphIdentity) -> None:
                     "the model's control flow identical on every rank.")
         return _difference(me, graph.kind, list(graph.collectives), rank, other["kind"], other["collectives"])
 
-    waiting = _peers_mod.Waiting(key=f"agreement/{graph.key}", what=what, peers=graph.peers)
+    key = f"agreement/{graph.key}"
+    agreed = _agreed_keys()
+    if key in agreed:
+        return
+    waiting = _peers_mod.Waiting(key=key, what=what, groups=graph.groups)
     _peers_mod.wait_for(waiting, value, timeout_s=graph.timeout_s, diverged=diverged)
+    agreed.add(key)
 
 
 def _difference(me: int, kind: str, mine: list[str], rank: int, their_kind: str, theirs: list[str]) -> str:

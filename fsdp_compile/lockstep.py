@@ -23,6 +23,7 @@ to run an inference graph", so the message names the mistake and not only its sy
 
 from __future__ import annotations
 
+import hashlib
 import json
 import weakref
 from collections.abc import Callable
@@ -40,13 +41,13 @@ __all__ = ["guard"]
 
 @dataclass
 class _Sequence:
-    """This process's graph calls, per set of peers (graphs over other groups are checked apart)."""
+    """This process's calls of compiled graphs that have peers."""
 
     world: weakref.ref
-    last: dict[tuple[int, ...], GraphIdentity] = field(default_factory=dict)
+    last: GraphIdentity | None = None
     seen: set[tuple[str | None, str]] = field(default_factory=set)
-    calls: dict[tuple[int, ...], int] = field(default_factory=dict)
-    check_ins: dict[tuple[int, ...], int] = field(default_factory=dict)
+    calls: int = 0
+    check_ins: int = 0
 
 
 _state: _Sequence | None = None
@@ -62,9 +63,9 @@ def _sequence() -> _Sequence:
 
 def _before_call(graph: GraphIdentity) -> None:
     seq = _sequence()
-    prev = seq.last.get(graph.peers)
-    seq.last[graph.peers] = graph
-    call = seq.calls[graph.peers] = seq.calls.get(graph.peers, 0) + 1
+    prev, seq.last = seq.last, graph
+    seq.calls += 1
+    call = seq.calls
     transition = (prev.key if prev is not None else None, graph.key)
     entering_eval = graph.kind == "inference" and (prev is None or prev.kind != "inference")
     if transition in seq.seen and not entering_eval:
@@ -74,26 +75,21 @@ def _before_call(graph: GraphIdentity) -> None:
 
 
 def _check_in(seq: _Sequence, graph: GraphIdentity, prev: GraphIdentity | None, call: int) -> None:
-    k = seq.check_ins[graph.peers] = seq.check_ins.get(graph.peers, 0) + 1
+    seq.check_ins += 1
     after = f"after {prev.describe()}" if prev is not None else "as its first graph"
     what = f"run {graph.describe()} as graph call #{call}, {after}"
-    value = json.dumps({"call": call, "graph": graph.key, "after": prev.key if prev is not None else None,
-                        "what": what})
-    group_key = "-".join(map(str, graph.peers))
+    # Ranks in lockstep make the same check-in: its key holds what they run, so a rank that runs
+    # something else posts under another key, and the two see each other waiting (peers.wait_for).
+    step = hashlib.sha1(json.dumps([call, graph.key, prev.key if prev else None]).encode()).hexdigest()[:12]
     me = dist.get_rank()
 
     def diverged(rank: int, theirs: peers.Waiting, _their_value: str | None) -> str:
         return (f"fsdp_compile: rank {me} is about to {what}, but rank {rank} waits for its peers to "
                 f"{theirs.what}. {_ADVICE}")
 
-    waiting = peers.Waiting(key=f"lockstep/{group_key}/{k}", what=what, peers=graph.peers)
-    got = peers.wait_for(waiting, value, timeout_s=graph.timeout_s, diverged=diverged)
-    for rank, theirs in sorted(got.items()):
-        other = json.loads(theirs)
-        if other["graph"] != graph.key or other["after"] != (prev.key if prev else None) or other["call"] != call:
-            message = f"fsdp_compile: rank {me} is about to {what}, but rank {rank} is about to {other['what']}. {_ADVICE}"
-            peers.note_failure(message)
-            raise peers.PeerError(message)
+    key = f"lockstep/{seq.check_ins}/{step}"
+    peers.wait_for(peers.Waiting(key=key, what=what, groups=graph.groups), what, timeout_s=graph.timeout_s,
+                   diverged=diverged)
 
 
 _ADVICE = peers.DIVERGED_ADVICE

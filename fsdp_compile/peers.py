@@ -21,6 +21,7 @@ alive but never comes. The heartbeat costs one small store write per rank per se
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import sys
 import threading
@@ -33,10 +34,12 @@ import torch.distributed as dist
 
 from ._compat import default_store, store_connection
 
-__all__ = ["COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "PeerError", "Waiting", "describe", "describe_all", "note_failure", "release", "start", "wait_for"]
+__all__ = ["COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "PeerError", "Waiting", "describe", "describe_all", "group_id", "note_failure", "release", "start", "wait_for"]
 
 HEARTBEAT_S = 1.0
-STALE_S = 10.0
+STALE_S = 10.0  # a heartbeat this old means the rank is gone
+QUIET_S = 1.0  # waiting this long, look at each missing peer (then every LOOK_S)
+LOOK_S = 1.0
 LINGER_S = 10.0
 _NS = "fsdp_compile/"
 # A failure note that starts so says the rank was running collectives that its peers did not join.
@@ -151,19 +154,28 @@ _failures: list[str] = []
 
 @dataclass(frozen=True)
 class Waiting:
-    """What a rank waits for: a store key every peer posts under, and words for messages."""
+    """What a rank waits for: a store key every member of each group posts under, and words for messages."""
 
     key: str
-    what: str  # e.g. "compile a forward graph with these 9 collectives"
-    peers: tuple[int, ...]
+    what: str  # e.g. "compile a forward graph with 9 collectives"
+    groups: tuple[tuple[int, ...], ...]  # the ranks of each process group involved
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(sorted({r for g in self.groups for r in g}))
+
+
+def group_id(ranks: tuple[int, ...]) -> str:
+    """A short name for a set of ranks, equal on every member."""
+    return hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
 
 
 class _Liveness:
     """Watches peers' heartbeats while one wait lasts."""
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, store: dist.Store, start: float) -> None:
         self.store = store
-        self.start = time.monotonic()
+        self.start = start
         self.seen: dict[int, tuple[bytes, float]] = {}
 
     def why_gone(self, rank: int) -> str | None:
@@ -196,7 +208,7 @@ def _waiting_of(store: dist.Store, rank: int) -> Waiting | None:
     if not raw:
         return None
     d = json.loads(raw)
-    return Waiting(key=d["key"], what=d["what"], peers=tuple(d["peers"]))
+    return Waiting(key=d["key"], what=d["what"], groups=tuple(tuple(g) for g in d["groups"]))
 
 
 def _lost_store(me: int, what: str, err: BaseException) -> PeerError:
@@ -214,26 +226,29 @@ def wait_for(
     *,
     timeout_s: float,
     diverged: Callable[[int, Waiting, str | None], str],
-) -> dict[int, str]:
-    """Post ``value`` under ``waiting.key`` for this rank; wait until every peer of ``waiting`` posted too.
+) -> None:
+    """Post ``value`` under ``waiting.key`` for this rank; return once every member of every group of
+    ``waiting`` has posted under that key too.
 
-    Returns every rank's value (this one's included). Raises :class:`PeerError` when a peer failed or is
-    gone, when the store is gone, after ``timeout_s`` when a peer is alive but has not posted, and when a
-    peer waits for a key this rank never posted: then the message is ``diverged(rank, what it waits
-    for, the value it posted there)``.
+    Raises :class:`PeerError` when a peer failed or is gone, when the store is gone, after ``timeout_s``
+    when a peer is alive but has not posted, and when a peer waits for a key this rank never posted:
+    then the message is ``diverged(rank, what it waits for, the value it posted there)``.
+    Scales with the number of ranks: while all goes well, a rank polls one counter per group; the
+    per-peer look (who is missing, gone or waiting for what) starts after ``QUIET_S`` of waiting.
     """
     me = dist.get_rank()
     store = _store()
-    key = waiting.key
-    others = [p for p in waiting.peers if p != me]
+    mine = [g for g in waiting.groups if me in g and len(g) > 1]
     try:
-        store.set(f"{_NS}{key}/{me}", value)
-        if not others:
-            return {me: value}
-        store.set(f"{_NS}waiting/{me}", json.dumps({"key": key, "what": waiting.what, "peers": list(waiting.peers)}))
+        store.set(f"{_NS}{waiting.key}/{me}", value)
+        if not mine:
+            return
+        for g in mine:
+            store.add(f"{_NS}{waiting.key}/arrived/{group_id(g)}", 1)
+        store.set(f"{_NS}waiting/{me}", json.dumps({"key": waiting.key, "what": waiting.what,
+                                                    "groups": [list(g) for g in waiting.groups]}))
         try:
-            _wait(store, key, others, me, waiting, timeout_s, diverged)
-            got = {p: store.get(f"{_NS}{key}/{p}").decode() for p in others}
+            _wait(store, mine, me, waiting, timeout_s, diverged)
         finally:
             store.set(f"{_NS}waiting/{me}", "")
     except PeerError as e:
@@ -241,48 +256,56 @@ def wait_for(
         raise
     except RuntimeError as e:  # a store call failed: its host is gone
         raise _lost_store(me, waiting.what, e) from e
-    got[me] = value
-    return got
 
 
-def _wait(store: dist.Store, key: str, others: list[int], me: int, waiting: Waiting, timeout_s: float,
+def _wait(store: dist.Store, groups: list[tuple[int, ...]], me: int, waiting: Waiting, timeout_s: float,
           diverged: Callable[[int, Waiting, str | None], str]) -> None:
-    live = _Liveness(store)
-    missing = set(others)
-    pause = 0.002
+    start = time.monotonic()
+    live = _Liveness(store, start)
+    counters = [(f"{_NS}{waiting.key}/arrived/{group_id(g)}", len(g)) for g in groups]
+    pause, next_look = 0.002, start + QUIET_S
     while True:
-        missing = {p for p in missing if not store.check([f"{_NS}{key}/{p}"])}
-        if not missing:
+        if all(store.add(key, 0) >= size for key, size in counters):
             return
         if _heartbeat is not None and _heartbeat.lost is not None:
             raise RuntimeError(_heartbeat.lost)
-        for p in sorted(missing):
-            gone = live.why_gone(p)
-            if gone is not None:
-                cause = (f"rank {p} was running other graphs than this rank. {DIVERGED_ADVICE}"
-                         if COLLECTIVE_FAILED in gone else f"look at rank {p}'s own output for the cause.")
-                raise PeerError(
-                    f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} {gone}: "
-                    f"{cause} This rank stops too."
-                )
-            theirs = _waiting_of(store, p)
-            if theirs is not None and theirs.key != key and me in theirs.peers \
-                    and not store.check([f"{_NS}{theirs.key}/{me}"]):
-                their_value = store.get(f"{_NS}{theirs.key}/{p}").decode() if store.check(
-                    [f"{_NS}{theirs.key}/{p}"]) else None
-                raise PeerError(diverged(p, theirs, their_value))
-        waited = time.monotonic() - live.start
-        if waited > timeout_s:
-            doing = "; ".join(f"rank {p}: {describe(p)}" for p in sorted(missing))
-            message = (
-                f"fsdp_compile: rank {me} waited {waited:.0f} s (the process group's timeout) for ranks "
-                f"{sorted(missing)} to {waiting.what}; they are alive but did not ({doing}). {DIVERGED_ADVICE}"
-            )
-            note_failure(message)
-            _linger(store, sorted(missing), live)
-            raise PeerError(message)
+        now = time.monotonic()
+        if now >= next_look:
+            _look_at_peers(store, me, waiting, live, timeout_s, diverged)
+            next_look = now + LOOK_S
         time.sleep(pause)
         pause = min(pause * 1.5, 0.25)
+
+
+def _look_at_peers(store: dist.Store, me: int, waiting: Waiting, live: _Liveness, timeout_s: float,
+                   diverged: Callable[[int, Waiting, str | None], str]) -> None:
+    """Who has not posted, and why: gone, waiting for something else (diverged), or too slow."""
+    missing = [p for p in waiting.peers if p != me and not store.check([f"{_NS}{waiting.key}/{p}"])]
+    for p in missing:
+        gone = live.why_gone(p)
+        if gone is not None:
+            cause = (f"rank {p} was running other graphs than this rank. {DIVERGED_ADVICE}"
+                     if COLLECTIVE_FAILED in gone else f"look at rank {p}'s own output for the cause.")
+            raise PeerError(
+                f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} {gone}: "
+                f"{cause} This rank stops too."
+            )
+        theirs = _waiting_of(store, p)
+        if theirs is not None and theirs.key != waiting.key and me in theirs.peers \
+                and not store.check([f"{_NS}{theirs.key}/{me}"]):
+            their_value = store.get(f"{_NS}{theirs.key}/{p}").decode() if store.check(
+                [f"{_NS}{theirs.key}/{p}"]) else None
+            raise PeerError(diverged(p, theirs, their_value))
+    waited = time.monotonic() - live.start
+    if missing and waited > timeout_s:
+        doing = "; ".join(f"rank {p}: {describe(p)}" for p in missing)
+        message = (
+            f"fsdp_compile: rank {me} waited {waited:.0f} s (the process group's timeout) for ranks "
+            f"{missing} to {waiting.what}; they are alive but did not ({doing}). {DIVERGED_ADVICE}"
+        )
+        note_failure(message)
+        _linger(store, missing, live)
+        raise PeerError(message)
 
 
 def _linger(store: dist.Store, absent: list[int], live: _Liveness) -> None:

@@ -279,13 +279,19 @@ def test_end_to_end_two_gloo_ranks(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "benchmarks.step_time", "--device", "cpu", "--model", "llama", "--dim", "32",
            "--layers", "2", "--heads", "4", "--vocab", "64", "--seq", "16", "--batch", "2", "--ranks", "2",
-           "--variants", "fsdp-compile,fsdp2-eager", "--rounds", "1", "--steps", "1", "--warmup", "1",
+           "--variants", "fsdp-compile,fsdp2-eager,simplefsdp,megatron-fsdp", "--rounds", "1", "--steps", "1",
+           "--warmup", "1",
            "--json", str(out), "--no-png", "--timeout", "900"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1000)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     by_name = {v["name"]: v for v in data["variants"]}
-    assert set(by_name) == {"fsdp-compile", "fsdp2-eager"} and data["meta"]["world"] == 2
+    assert set(by_name) == {"fsdp-compile", "fsdp2-eager", "simplefsdp", "megatron-fsdp"}
+    assert data["meta"]["world"] == 2 and data["meta"]["optimizer"] == "fused"
+    for peer in ("simplefsdp", "megatron-fsdp"):  # both need CUDA; the table says why
+        reason = by_name.pop(peer)["reason"]
+        assert reason and ("CUDA" in reason or "not installed" in reason), reason
+        assert f"* {peer}: not measured: " in proc.stdout
     for v in by_name.values():
         assert v["reason"] is None and v["median_ms"] > 0 and v["cold_s"] > 0
         assert len(v["ranks"]) == 2 and all(t > 0 for r in v["ranks"] for t in r["step_s"])

@@ -17,7 +17,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
-VARIANTS=fsdp-compile,fsdp-compile-ag,fsdp-compile-delayed,fsdp2-eager-one-group,fsdp2-compile,simplefsdp,megatron-fsdp
+# fsdp-compile-packed: every param bucketed and packed apart, as before 2026-12-01 (the memory baseline)
+VARIANTS=fsdp-compile,fsdp-compile-packed,fsdp-compile-ag,fsdp-compile-delayed,fsdp2-eager-one-group,fsdp2-compile,simplefsdp,megatron-fsdp
 RUN="torchrun --standalone --nproc-per-node=2 -m benchmarks.step_time --rounds 5 --steps 5 --warmup 3 --profile-steps 3 --no-png"
 $RUN --preset gpu-llama-4096 --layers 4 --batch 1 --seq 2048 --variants $VARIANTS --json "$OUT/step_time-llama4096-w2.json" 2>&1 | grep -v step/s | tail -20
 $RUN --model mlp --dim 8192 --layers 6 --tokens 256 --dtype bf16 --variants $VARIANTS --json "$OUT/step_time-mlp8192-w2.json" 2>&1 | grep -v step/s | tail -20

@@ -33,7 +33,7 @@ from benchmarks.peers import PEERS, build_megatron_fsdp, build_simple_fsdp, peer
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.models import ModelConfig, Transformer, loss_fn
 
-__all__ = ["DTYPES", "MODEL_KINDS", "PEAK_FLOPS", "PRESETS", "VARIANTS", "CudaPeak", "Mlp", "ModelSpec",
+__all__ = ["COMPARISONS", "DEFAULT_VARIANTS", "DTYPES", "MODEL_KINDS", "PEAK_FLOPS", "PRESETS", "VARIANTS", "CudaPeak", "Mlp", "ModelSpec",
            "OPTIMIZERS", "RssSampler", "Runner", "SharedGroups", "blocks_of", "build_model", "build_variant", "loss_of",
            "make_batch", "own_forward", "peak_flops_for", "raise_recompile_limit", "read_rss_bytes",
            "run_delay_s", "train_flops", "unavailable_reason"]
@@ -316,22 +316,26 @@ class Runner:
 # --- variants -------------------------------------------------------------------------------------------
 
 
-VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-ag", "fsdp-compile-delayed", "fsdp2-eager",
+VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-bucketed", "fsdp-compile-packed", "fsdp-compile-ag",
+                             "fsdp-compile-delayed", "fsdp2-eager",
                              "fsdp2-eager-one-group", "fsdp2-compile", *PEERS, "compile", "fsdp-compile-keep",
                              "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")
 _KEEP = ("fsdp-compile-keep", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")  # world 1 only
+COMPARISONS: tuple[str, ...] = ("fsdp-compile-bucketed", "fsdp-compile-packed", "fsdp-compile-keep-bucketed",
+                                "fsdp-compile-keep-packed")
+"""Variants that only take one of fsdp-compile's choices back (see ``_BACKEND_KW``): run when named."""
+DEFAULT_VARIANTS: tuple[str, ...] = tuple(v for v in VARIANTS if v not in COMPARISONS)
 OPTIMIZERS: tuple[str, ...] = ("fused", "foreach")
-_DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-ag": "all_gather", "fsdp-compile-delayed": "none",
+_DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-bucketed": "reduce_scatter",
+              "fsdp-compile-packed": "reduce_scatter", "fsdp-compile-ag": "all_gather", "fsdp-compile-delayed": "none",
               **{k: "reduce_scatter" for k in _KEEP}}
+_BUCKETED: dict[str, Any] = {"bucket_alone_bytes": None}  # every param bucketed, gathered in place
+_PACKED: dict[str, Any] = {"bucket_alone_bytes": None, "inplace_gather": False}  # as before 2026-12-01
 _BACKEND_KW: dict[str, dict[str, Any]] = {"fsdp-compile-delayed": {"schedule": "delayed"},
+                                          "fsdp-compile-bucketed": _BUCKETED, "fsdp-compile-packed": _PACKED,
                                           "fsdp-compile-keep": {"elide_single_rank": False},
-                                          # every param bucketed, gathered in place
-                                          "fsdp-compile-keep-bucketed": {"elide_single_rank": False,
-                                                                         "bucket_alone_bytes": None},
-                                          # as before: every param bucketed, packed apart
-                                          "fsdp-compile-keep-packed": {"elide_single_rank": False,
-                                                                       "bucket_alone_bytes": None,
-                                                                       "inplace_gather": False}}
+                                          "fsdp-compile-keep-bucketed": {"elide_single_rank": False, **_BUCKETED},
+                                          "fsdp-compile-keep-packed": {"elide_single_rank": False, **_PACKED}}
 
 
 def unavailable_reason(name: str, world: int, device: torch.device | str = "cpu") -> str | None:

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.models import (OPTIMIZERS, PRESETS, VARIANTS, Batch, CudaPeak, ModelSpec, RssSampler, Runner, SharedGroups,
-                               build_variant, make_batch, raise_recompile_limit, train_flops,
-                               unavailable_reason)
+from benchmarks.models import (DEFAULT_VARIANTS, OPTIMIZERS, PRESETS, VARIANTS, Batch, CudaPeak, ModelSpec,
+                               RssSampler, Runner, SharedGroups, build_variant, make_batch, raise_recompile_limit,
+                               train_flops, unavailable_reason)
 from benchmarks.step_report import (RankReport, VariantRun, default_json_path, header_line, markdown_table,
                                     summarize, write_json, write_png)
 from fsdp_compile.launch import run_ranks
@@ -62,7 +62,7 @@ class BenchOptions:
 
     spec: ModelSpec = PRESETS["cpu"]
     preset: str | None = "cpu"
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     warmup: int = 3
     rounds: int = 5
     steps: int = 5
@@ -92,7 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchOptions:
     for name in ("dim", "layers", "heads", "vocab", "seq", "batch", "tokens"):
         p.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the preset)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="parameter dtype of every variant")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated, from: " + ", ".join(VARIANTS) + " (default: all but the comparisons "
+                        "*-bucketed, *-packed)")
     for flag, default, what in (("warmup", 3, "warm-up steps per variant"), ("rounds", 5, "rounds"),
                                 ("steps", 5, "timed steps per variant per round"), ("seed", 0, "model seed"),
                                 ("profile-steps", 3, "GPU: profiled steps per variant (0: skip)")):

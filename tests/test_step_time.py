@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks import step_time as st
-from benchmarks.models import (PRESETS, VARIANTS, ModelSpec, RssSampler, SharedGroups, build_variant, loss_of,
+from benchmarks.models import (DEFAULT_VARIANTS, PRESETS, VARIANTS, ModelSpec, RssSampler, SharedGroups, build_variant, loss_of,
                                make_batch, own_forward, peak_flops_for, read_rss_bytes, run_delay_s, train_flops,
                                unavailable_reason)
 
@@ -32,7 +32,8 @@ def test_defaults_are_the_cpu_preset() -> None:
     assert (spec.kind, spec.layers, spec.dim, spec.heads, spec.vocab, spec.seq, spec.batch, spec.dtype) == (
         "llama", 4, 256, 4, 512, 64, 4, "fp32")
     assert (opts.warmup, opts.rounds, opts.steps) == (3, 5, 5)
-    assert opts.variants == VARIANTS and opts.ranks == 2 and opts.png
+    assert opts.variants == DEFAULT_VARIANTS and opts.ranks == 2 and opts.png
+    assert set(DEFAULT_VARIANTS) < set(VARIANTS) and "fsdp-compile-packed" not in DEFAULT_VARIANTS
     assert opts.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert "benchmarks" in opts.command or "pytest" in opts.command
 
@@ -225,7 +226,7 @@ def test_json_keeps_every_raw_step_time(tmp_path: Path) -> None:
     st.write_json(path, "header", rows, reports, opts)
     data = json.loads(path.read_text())
     assert data["meta"]["header"] == "header" and data["meta"]["world"] == 2
-    assert data["meta"]["model"]["dim"] == 256 and data["meta"]["variants"] == list(VARIANTS)
+    assert data["meta"]["model"]["dim"] == 256 and data["meta"]["variants"] == list(DEFAULT_VARIANTS)
     first = data["variants"][0]
     assert first["name"] == "fsdp-compile" and first["step_s"] == [0.011, 0.012, 0.013]
     assert [r["step_s"] for r in first["ranks"]] == [[0.010, 0.012, 0.011], [0.011, 0.010, 0.013]]

@@ -9,7 +9,8 @@ Two model kinds, both a stack of blocks that ``fully_shard`` makes one unit each
 ``ModelSpec`` holds the shapes and the parameter dtype; the same spec, seed and rank give the same
 parameters and batch, whichever variant builds them. A *variant* (``VARIANTS``, ``build_variant``) is
 how the model is sharded and compiled: fsdp-compile with each communicator layout, FSDP2 eager or
-compiled, or plain ``torch.compile``; its ``Runner`` trains it one (timed) step at a time, and
+compiled, the peers of ``benchmarks.peers`` (SimpleFSDP, Megatron-FSDP), or plain ``torch.compile``;
+its ``Runner`` trains it one (timed) step at a time with AdamW (fused by default), and
 ``RssSampler`` / ``CudaPeak`` measure the memory its steps take.
 """
 
@@ -28,11 +29,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.peers import PEERS, build_megatron_fsdp, build_simple_fsdp, peer_reason
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.models import ModelConfig, Transformer, loss_fn
 
-__all__ = ["DTYPES", "MODEL_KINDS", "PEAK_FLOPS", "PRESETS", "VARIANTS", "CudaPeak", "Mlp", "ModelSpec",
-           "RssSampler", "Runner", "SharedGroups", "blocks_of", "build_model", "build_variant", "loss_of",
+__all__ = ["COMPARISONS", "DEFAULT_VARIANTS", "DTYPES", "MODEL_KINDS", "PEAK_FLOPS", "PRESETS", "VARIANTS", "CudaPeak", "Mlp", "ModelSpec",
+           "OPTIMIZERS", "RssSampler", "Runner", "SharedGroups", "blocks_of", "build_model", "build_variant", "loss_of",
            "make_batch", "own_forward", "peak_flops_for", "raise_recompile_limit", "read_rss_bytes",
            "run_delay_s", "train_flops", "unavailable_reason"]
 
@@ -286,30 +288,61 @@ class Runner:
         return wall, max(0.0, wall - (time.thread_time() - c0) - (run_delay_s() - d0)) / wall
 
     def state_bytes(self) -> int:
-        """Bytes of this rank's parameters and optimizer state (local shards of DTensors)."""
-        tensors = [*self.model.parameters(), *(v for s in self.opt.state.values() for v in s.values())]
-        storages: dict[tuple[str, int], int] = {}
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                t = t.to_local() if hasattr(t, "to_local") else t
-                storages[(str(t.device), t.untyped_storage().data_ptr())] = t.untyped_storage().nbytes()
-        return sum(storages.values())
+        """Bytes of this rank's parameters, persistent gradients and optimizer state (see ``state_parts``)."""
+        return sum(self.state_parts())
+
+    def state_parts(self) -> tuple[int, int, int]:
+        """(params, grads, optimizer state): bytes of the storages behind this rank's parameters (local shards
+        of DTensors), behind the gradients that stay set between steps (none after ``zero_grad(set_to_none)``
+        for most variants; Megatron-FSDP keeps a gradient buffer, counted here where ``.grad`` views it), and
+        behind the optimizer's state. A storage counts once, in the first part that holds it."""
+        params = list(self.model.parameters())
+        parts = (params, [p.grad for p in params], [v for s in self.opt.state.values() for v in s.values()])
+        seen: set[tuple[str, int]] = set()
+        sizes = []
+        for tensors in parts:
+            total = 0
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    t = t.to_local() if hasattr(t, "to_local") else t
+                    key = (str(t.device), t.untyped_storage().data_ptr())
+                    if key not in seen and t.untyped_storage().nbytes():
+                        seen.add(key)
+                        total += t.untyped_storage().nbytes()
+            sizes.append(total)
+        return sizes[0], sizes[1], sizes[2]
 
 
 # --- variants -------------------------------------------------------------------------------------------
 
 
-VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-ag", "fsdp-compile-delayed", "fsdp2-eager",
-                             "fsdp2-eager-one-group", "fsdp2-compile", "compile", "fsdp-compile-keep")
-_DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-ag": "all_gather", "fsdp-compile-delayed": "none",
-              "fsdp-compile-keep": "reduce_scatter"}
+VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-bucketed", "fsdp-compile-packed", "fsdp-compile-ag",
+                             "fsdp-compile-delayed", "fsdp2-eager",
+                             "fsdp2-eager-one-group", "fsdp2-compile", *PEERS, "compile", "fsdp-compile-keep",
+                             "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")
+_KEEP = ("fsdp-compile-keep", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")  # world 1 only
+COMPARISONS: tuple[str, ...] = ("fsdp-compile-bucketed", "fsdp-compile-packed", "fsdp-compile-keep-bucketed",
+                                "fsdp-compile-keep-packed")
+"""Variants that only take one of fsdp-compile's choices back (see ``_BACKEND_KW``): run when named."""
+DEFAULT_VARIANTS: tuple[str, ...] = tuple(v for v in VARIANTS if v not in COMPARISONS)
+OPTIMIZERS: tuple[str, ...] = ("fused", "foreach")
+_DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-bucketed": "reduce_scatter",
+              "fsdp-compile-packed": "reduce_scatter", "fsdp-compile-ag": "all_gather", "fsdp-compile-delayed": "none",
+              **{k: "reduce_scatter" for k in _KEEP}}
+_BUCKETED: dict[str, Any] = {"bucket_alone_bytes": None}  # every param bucketed, gathered in place
+_PACKED: dict[str, Any] = {"bucket_alone_bytes": None, "inplace_gather": False}  # as before 2026-12-01
 _BACKEND_KW: dict[str, dict[str, Any]] = {"fsdp-compile-delayed": {"schedule": "delayed"},
-                                          "fsdp-compile-keep": {"elide_single_rank": False}}
+                                          "fsdp-compile-bucketed": _BUCKETED, "fsdp-compile-packed": _PACKED,
+                                          "fsdp-compile-keep": {"elide_single_rank": False},
+                                          "fsdp-compile-keep-bucketed": {"elide_single_rank": False, **_BUCKETED},
+                                          "fsdp-compile-keep-packed": {"elide_single_rank": False, **_PACKED}}
 
 
-def unavailable_reason(name: str, world: int) -> str | None:
+def unavailable_reason(name: str, world: int, device: torch.device | str = "cpu") -> str | None:
     """Why ``name`` cannot run here (the same answer on every rank), or ``None``."""
-    if name in ("compile", "fsdp-compile-keep") and world != 1:
+    if name in PEERS:
+        return peer_reason(name, torch.device(device))
+    if (name == "compile" or name in _KEEP) and world != 1:
         return f"only at world size 1 (this run: {world})"
     if name == "fsdp2-eager":
         from torch.distributed.fsdp import FSDPModule
@@ -334,11 +367,21 @@ class SharedGroups:
             self.fsdp[dedicated] = FsdpGroups.create(dedicated=dedicated)
         return self.fsdp[dedicated]
 
+    mesh_2d: Any = None
+
     def fsdp2_mesh(self) -> Any:
+        """The 1-D mesh of FSDP2 and SimpleFSDP."""
         if self.mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
             self.mesh = init_device_mesh(self.device.type, (self.world,))
         return self.mesh
+
+    def megatron_mesh(self) -> Any:
+        """Megatron-FSDP's ``(fsdp, tp)`` mesh, tp of size 1."""
+        if self.mesh_2d is None:
+            from torch.distributed.device_mesh import init_device_mesh
+            self.mesh_2d = init_device_mesh(self.device.type, (self.world, 1), mesh_dim_names=("fsdp", "tp"))
+        return self.mesh_2d
 
     def destroy(self) -> None:
         for g in self.fsdp.values():
@@ -359,13 +402,23 @@ def own_forward(model: nn.Module) -> None:
         types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__), model)
 
 
-def build_variant(name: str, spec: ModelSpec, shared: SharedGroups, seed: int) -> Runner:
-    """A fresh model from ``seed``, sharded (blocks first, then the root) and compiled as ``name`` says."""
+def build_variant(name: str, spec: ModelSpec, shared: SharedGroups, seed: int, optimizer: str = "fused") -> Runner:
+    """A fresh model from ``seed``, sharded (blocks first, then the root) and compiled as ``name`` says,
+    with AdamW in ``optimizer`` form (``"fused"``: one kernel per step; ``"foreach"``: grouped kernels)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"build_variant: optimizer={optimizer!r}; use one of {OPTIMIZERS}")
+    fused = optimizer == "fused"
     torch.manual_seed(seed)
     model = build_model(spec, shared.device)
     own_forward(model)
     forward: Callable[..., Any] = model
-    if name in _DEDICATED:
+    if name == "megatron-fsdp":
+        units = list(dict.fromkeys(type(b) for b in blocks_of(model)))
+        wrapped, opt = build_megatron_fsdp(model, units, shared.megatron_mesh(), lr=1e-5, fused=fused)
+        return Runner(name, wrapped, wrapped, opt)
+    if name == "simplefsdp":
+        forward = build_simple_fsdp(model, shared.fsdp2_mesh())
+    elif name in _DEDICATED:
         groups = shared.groups(_DEDICATED[name])
         for block in blocks_of(model):
             fully_shard(block, groups=groups)
@@ -383,7 +436,8 @@ def build_variant(name: str, spec: ModelSpec, shared: SharedGroups, seed: int) -
             forward = torch.compile(model)
     elif name == "compile":
         forward = torch.compile(model)
-    return Runner(name, model, forward, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    return Runner(name, model, forward, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused,
+                                                          foreach=None if fused else True))
 
 
 def raise_recompile_limit(n: int) -> None:

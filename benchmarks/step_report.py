@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.models import peak_flops_for
 
@@ -33,6 +33,9 @@ class VariantRun:
     state_bytes: int | None = None
     comm_share: float | None = None
     late_graphs: int = 0  # graphs Dynamo compiled during the timed steps (should be 0)
+    state_parts: tuple[int, int, int] | None = None  # (params, grads kept between steps, optimizer state)
+    resident_bytes: int | None = None  # GPU: allocator bytes the variant's build and first step left behind
+    overlap: dict[str, Any] | None = None  # GPU: benchmarks.overlap's median measures of the profiled steps
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class Summary:
     cold_s: float = float("nan")
     comm_share: float | None = None
     late_graphs: int = 0
+    parts_mib: tuple[float, float, float] | None = None
+    resident_mib: float | None = None
 
 
 def summarize(reports: Sequence[RankReport], opts: BenchOptions) -> list[Summary]:
@@ -82,12 +87,16 @@ def summarize(reports: Sequence[RankReport], opts: BenchOptions) -> list[Summary
         med = statistics.median(steps)
         shares = [r.comm_share for r in runs if r.comm_share is not None]
         peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
+        parts = [r.state_parts for r in runs if r.state_parts is not None]
+        resident = [r.resident_bytes for r in runs if r.resident_bytes is not None]
         rows.append(Summary(
             run0.name, None, steps, 1e3 * med, 1e3 * min(steps), 1e3 * max(steps),
             opts.spec.tokens_per_rank * world / med, flops / med / peak if peak else None,
             max(r.state_bytes or 0 for r in runs) / 2**20, max(peaks) / 2**20 if peaks else None,
             max(r.first_step_s for r in runs), statistics.mean(shares) if shares else None,
-            max(r.late_graphs for r in runs)))
+            max(r.late_graphs for r in runs),
+            tuple(max(p[i] for p in parts) / 2**20 for i in range(3)) if parts else None,  # type: ignore[arg-type]
+            max(resident) / 2**20 if resident else None))
     return rows
 
 
@@ -95,7 +104,10 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -
     return "–" if value is None or value != value else f"{value * scale:{spec}}{suffix}"
 
 
-_GPU_NOTE = ("by torch.cuda.max_memory_allocated; comm wait = exposed NCCL time (no compute kernel running) "
+_GPU_NOTE = ("by torch.cuda.max_memory_allocated: activations, gathered parameters, gradients, communication "
+             "buffers, optimizer temporaries; resident = what the allocator holds for the variant between steps "
+             "(measured around its build and first step: params, optimizer state and any buffer kept, e.g. a "
+             "gradient buffer); comm wait = exposed NCCL time (no compute kernel running) "
              "per step, from a profiler trace.")
 _CPU_NOTE = ("on CPU the transient working memory (process RSS sampled by a thread); comm wait = share of the "
              "step the training thread was blocked (neither running nor waiting for a CPU: collective waits).")
@@ -105,21 +117,24 @@ def markdown_table(rows: Sequence[Summary], world: int, cuda: bool) -> str:
     """The results table, then one line per unavailable variant and how memory/comm wait were measured."""
     done = [r for r in rows if r.reason is None]
     base = done[0] if done else None
-    ref = next((r for r in done if r.name == "compile"), None) if world == 1 else None
+    ref = next((r for r in done if r.name == "compile"), None) if world == 1 and base and base.name != "compile" else None
     head = ["variant", "median ms", f"vs {base.name if base else '-'}"] + (["vs compile"] if ref else [])
-    head += ["tokens/s", "MFU", "state MiB", "peak MiB", "cold compile s", "comm wait"]
+    head += ["tokens/s", "MFU", "state MiB", "params+grads+opt MiB", "resident MiB", "peak MiB", "cold compile s",
+             "comm wait"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ratios = [r.median_ms / x.median_ms if r.reason is None else None for x in (base, ref) if x is not None]
         cells = [r.name, _fmt(r.median_ms, ".1f")] + [_fmt(x, ".2f", suffix="x") for x in ratios]
-        cells += [_fmt(r.tokens_per_s, ",.0f"), _fmt(r.mfu, ".1f", 100, "%"), _fmt(r.state_mib, ".1f"),
-                  _fmt(r.peak_mib, ".1f"), _fmt(r.cold_s, ".1f"), _fmt(r.comm_share, ".0f", 100, "%")]
+        parts = "+".join(f"{x:.1f}" for x in r.parts_mib) if r.parts_mib else "–"
+        cells += [_fmt(r.tokens_per_s, ",.0f"), _fmt(r.mfu, ".1f", 100, "%"), _fmt(r.state_mib, ".1f"), parts,
+                  _fmt(r.resident_mib, ".0f"), _fmt(r.peak_mib, ".1f"), _fmt(r.cold_s, ".1f"), _fmt(r.comm_share, ".0f", 100, "%")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"\n* {r.name}: not measured: {r.reason}" for r in rows if r.reason]
     lines += [f"\n* {r.name}: WARNING: {r.late_graphs} graphs compiled during its timed steps (times include "
               "compiling)" for r in rows if r.late_graphs]
-    lines.append("\nstate = this rank's params + optimizer state; peak = peak above what was resident before the "
-                 "variant's steps, " + (_GPU_NOTE if cuda else _CPU_NOTE))
+    lines.append("\nstate = this rank's params + gradients kept between steps + optimizer state (storages of the "
+                 "tensors, DTensors' local shards); peak = transient: peak above what was allocated before the "
+                 "variant's timed steps, " + (_GPU_NOTE if cuda else _CPU_NOTE))
     return "\n".join(lines)
 
 

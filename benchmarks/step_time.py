@@ -1,4 +1,5 @@
-"""Side-by-side training step time of fsdp-compile, FSDP2 and plain ``torch.compile``, in one run.
+"""Side-by-side training step time of fsdp-compile, FSDP2, SimpleFSDP, Megatron-FSDP and plain ``torch.compile``,
+in one run (the peers: ``benchmarks.peers``, ``pip install -e '.[bench]'``; unavailable ones say why).
 
 Every variant trains its own copy of one model (same seed) on the same batch. On every rank: build all
 variants; run each one's first step alone, timed as its *cold compile* (Inductor caches off:
@@ -7,13 +8,18 @@ variant runs ``steps`` timed steps in turn, so machine noise hits all alike. A s
 backward, ``AdamW.step``, ``zero_grad``; its time is the slowest rank's.
 
 Per variant: median step time, global tokens/s, MFU (GPU: ``FlopCounterMode`` FLOPs of a step of the
-unsharded model / time / peak), memory (*state*: this rank's params + optimizer state; *peak*: above what
-was resident before the variant's timed steps, by ``max_memory_allocated`` on GPU or by sampling the
-process RSS on CPU: the transient working memory), cold compile time, and *comm wait*: on GPU the
+unsharded model / time / peak), memory (*state*: this rank's params, gradients kept between steps and
+optimizer state, by tensor storages; *resident*, GPU: what the allocator holds for the variant after its
+build and first step, buffers no ``.grad`` shows included; *peak*: above what was allocated before the
+variant's timed steps, by ``max_memory_allocated`` on GPU or by sampling the process RSS on CPU: the
+transient working memory), cold compile time, and *comm wait*: on GPU the
 exposed NCCL time (no compute kernel running) per step, from a profiler trace (``benchmarks.overlap``);
 on CPU the share of the step the training thread is blocked (wall - its CPU time - its run-queue delay
 from ``/proc/thread-self/schedstat``), i.e. in collective waits. (Not from a CPU profiler trace: FSDP2's
-``Work.wait()`` is no profiled op there, so its waits would go uncounted.)
+``Work.wait()`` is no profiled op there, so its waits would go uncounted.) On GPU every
+``benchmarks.overlap`` measure of the profiled steps (all-gather / reduce-scatter hidden under compute and
+under each other) goes to the JSON (``variants[i].ranks[r].overlap``). AdamW is fused for every variant
+(``--optimizer foreach`` for the grouped kernels).
 
 CPU:   python -m benchmarks.step_time --preset cpu             (spawns --ranks gloo ranks)
 GPUs:  torchrun --nproc-per-node=8 -m benchmarks.step_time --preset gpu-llama-4096
@@ -28,6 +34,7 @@ if __name__ == "__main__":  # before torch is imported, so that every compile is
     os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
 import argparse
+import dataclasses
 import shlex
 import socket
 import statistics
@@ -42,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.models import (PRESETS, VARIANTS, Batch, CudaPeak, ModelSpec, RssSampler, Runner, SharedGroups,
-                               build_variant, make_batch, raise_recompile_limit, train_flops,
-                               unavailable_reason)
+from benchmarks.models import (DEFAULT_VARIANTS, OPTIMIZERS, PRESETS, VARIANTS, Batch, CudaPeak, ModelSpec,
+                               RssSampler, Runner, SharedGroups, build_variant, make_batch, raise_recompile_limit,
+                               train_flops, unavailable_reason)
 from benchmarks.step_report import (RankReport, VariantRun, default_json_path, header_line, markdown_table,
                                     summarize, write_json, write_png)
 from fsdp_compile.launch import run_ranks
@@ -55,7 +62,7 @@ class BenchOptions:
 
     spec: ModelSpec = PRESETS["cpu"]
     preset: str | None = "cpu"
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     warmup: int = 3
     rounds: int = 5
     steps: int = 5
@@ -69,6 +76,7 @@ class BenchOptions:
     png_path: str | None = None
     png: bool = True
     timeout_s: float = 3600.0
+    optimizer: str = "fused"
     command: str = ""
 
     @property
@@ -84,7 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchOptions:
     for name in ("dim", "layers", "heads", "vocab", "seq", "batch", "tokens"):
         p.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the preset)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="parameter dtype of every variant")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated, from: " + ", ".join(VARIANTS) + " (default: all but the comparisons "
+                        "*-bucketed, *-packed)")
     for flag, default, what in (("warmup", 3, "warm-up steps per variant"), ("rounds", 5, "rounds"),
                                 ("steps", 5, "timed steps per variant per round"), ("seed", 0, "model seed"),
                                 ("profile-steps", 3, "GPU: profiled steps per variant (0: skip)")):
@@ -97,6 +107,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchOptions:
     p.add_argument("--png", help="bar chart (default: the JSON path with .png)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before spawned ranks are killed")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="fused", help="AdamW implementation of every variant")
     ns = p.parse_args(argv)
     preset = ns.preset or (None if ns.model else "cpu")
     spec = PRESETS[preset] if preset else ModelSpec(kind=ns.model)
@@ -113,7 +124,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchOptions:
         spec=spec, preset=preset, variants=variants, warmup=ns.warmup, rounds=ns.rounds, steps=ns.steps,
         seed=ns.seed, profile_steps=ns.profile_steps, device=device, ranks=ns.ranks, spawn=ns.spawn,
         peak_flops=ns.peak_tflops * 1e12 if ns.peak_tflops else None, json_path=ns.json, png_path=ns.png,
-        png=not ns.no_png, timeout_s=ns.timeout, command=shlex.join(getattr(sys, "orig_argv", sys.argv)))
+        png=not ns.no_png, timeout_s=ns.timeout, optimizer=ns.optimizer, command=shlex.join(getattr(sys, "orig_argv", sys.argv)))
 
 
 def _guarded(fn: Callable[[], Any]) -> str | None:
@@ -128,12 +139,14 @@ def _guarded(fn: Callable[[], Any]) -> str | None:
     return next((e for e in errors if e), None)
 
 
-def _profiled_comm_share(runner: Runner, spec: ModelSpec, batch: Batch, steps: int) -> float | None:
-    """GPU: median exposed-communication share of ``steps`` profiled steps (``benchmarks.overlap``)."""
+def _profiled_overlap(runner: Runner, spec: ModelSpec, batch: Batch, steps: int) -> dict[str, Any]:
+    """GPU: the median overlap measures of ``steps`` profiled steps (``benchmarks.overlap``): exposed
+    communication share, and the share of all-gather / reduce-scatter time hidden under compute and under
+    each other."""
     from benchmarks.overlap import analyze, load_trace, profile_steps
     with tempfile.TemporaryDirectory() as tmp:
         path = profile_steps(lambda: runner.step(spec, batch), steps=steps, warmup=1, out_path=Path(tmp) / "t.json")
-        return analyze(load_trace(path)).median.exposed_comm_share
+        return dataclasses.asdict(analyze(load_trace(path)).median)
 
 
 def _device_name(device: torch.device) -> str:
@@ -156,25 +169,39 @@ class _Measured:
     late_graphs: int = 0
 
 
+def _allocated(cuda: bool) -> int:
+    if not cuda:
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 def _build_all(names: Sequence[str], opts: BenchOptions, shared: SharedGroups,
-               reasons: dict[str, str]) -> dict[str, Runner]:
-    """Every available variant's model, each built from the same seed; failures go to ``reasons``."""
+               reasons: dict[str, str], resident: dict[str, int]) -> dict[str, Runner]:
+    """Every available variant's model, each built from the same seed; failures go to ``reasons``; the
+    device memory each build leaves allocated goes to ``resident`` (GPU)."""
     runners: dict[str, Runner] = {}
     for n in names:
         if n not in reasons:
-            err = _guarded(lambda n=n: runners.__setitem__(n, build_variant(n, opts.spec, shared, opts.seed)))
+            before = _allocated(opts.cuda)
+            err = _guarded(lambda n=n: runners.__setitem__(
+                n, build_variant(n, opts.spec, shared, opts.seed, optimizer=opts.optimizer)))
             if err:
                 reasons[n] = err
+            resident[n] = _allocated(opts.cuda) - before
     return runners
 
 
 def _cold_steps(runners: dict[str, Runner], batch: Batch, opts: BenchOptions, reasons: dict[str, str],
-                bar: Any, per_variant: int) -> dict[str, float]:
-    """Each variant's first step (its compile), one variant at a time; a failed variant is dropped."""
+                bar: Any, per_variant: int, resident: dict[str, int]) -> dict[str, float]:
+    """Each variant's first step (its compile), one variant at a time; a failed variant is dropped. What the
+    step leaves allocated (optimizer state, persistent buffers) is added to ``resident``."""
     first: dict[str, float] = {}
     for n in list(runners):
         bar.set_description(f"first step {n}")
+        before = _allocated(opts.cuda)
         err = _guarded(lambda n=n: first.__setitem__(n, runners[n].timed_step(opts.spec, batch, opts.cuda)[0]))
+        resident[n] += _allocated(opts.cuda) - before
         if err:
             reasons[n] = err
             del runners[n]
@@ -208,14 +235,17 @@ def _timed_rounds(runners: dict[str, Runner], batch: Batch, opts: BenchOptions, 
 
 
 def _comm_shares(runners: dict[str, Runner], measured: dict[str, _Measured], batch: Batch, opts: BenchOptions,
-                 bar: Any) -> dict[str, float | None]:
-    """GPU: exposed-communication share from a profiled trace; CPU: median blocked share of the timed steps."""
+                 bar: Any, overlaps: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """GPU: exposed-communication share from a profiled trace (every overlap measure goes to ``overlaps``);
+    CPU: median blocked share of the timed steps."""
     if not opts.cuda:
         return {n: statistics.median(m.blocked) for n, m in measured.items()}
     shares: dict[str, float | None] = {}
     for n, runner in runners.items():
         bar.set_description(f"profile {n}")
-        shares[n] = _profiled_comm_share(runner, opts.spec, batch, opts.profile_steps) if opts.profile_steps else None
+        if opts.profile_steps:
+            overlaps[n] = _profiled_overlap(runner, opts.spec, batch, opts.profile_steps)
+        shares[n] = overlaps[n]["exposed_comm_share"] if n in overlaps else None
         bar.update(opts.profile_steps + 1)
     return shares
 
@@ -236,19 +266,22 @@ def run_rank(rank: int, world: int, opts: BenchOptions) -> list[RankReport] | No
     torch.compile(lambda x: (x * 2).sum())(torch.ones(4, device=device))  # one-time Inductor set-up
     batch = make_batch(opts.spec, seed=opts.seed + 1 + rank, device=device)
     shared = SharedGroups(device, world)
-    reasons = {n: r for n in opts.variants if (r := unavailable_reason(n, world))}
-    runners = _build_all(opts.variants, opts, shared, reasons)
+    reasons = {n: r for n in opts.variants if (r := unavailable_reason(n, world, device))}
+    resident: dict[str, int] = {}
+    runners = _build_all(opts.variants, opts, shared, reasons, resident)
     per_variant = 1 + opts.warmup + opts.rounds * opts.steps + (opts.profile_steps + 1) * cuda
     bar = tqdm(total=len(runners) * per_variant, disable=rank != 0, unit="step", desc="step_time")
-    first = _cold_steps(runners, batch, opts, reasons, bar, per_variant)
+    first = _cold_steps(runners, batch, opts, reasons, bar, per_variant, resident)
     measured = _timed_rounds(runners, batch, opts, bar)
-    comm = _comm_shares(runners, measured, batch, opts, bar)
+    overlaps: dict[str, dict[str, Any]] = {}
+    comm = _comm_shares(runners, measured, batch, opts, bar, overlaps)
     bar.close()
     runs = tuple(
         VariantRun(n, reason=reasons[n]) if n in reasons else
         VariantRun(n, first_step_s=first[n], step_s=tuple(measured[n].times), blocked=tuple(measured[n].blocked),
                    peak_bytes=measured[n].peak, state_bytes=runners[n].state_bytes(), comm_share=comm[n],
-                   late_graphs=measured[n].late_graphs)
+                   late_graphs=measured[n].late_graphs, state_parts=runners[n].state_parts(),
+                   resident_bytes=resident[n] if cuda else None, overlap=overlaps.get(n))
         for n in opts.variants)
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
     report = RankReport(rank, world, _device_name(device), socket.gethostname(), torch.__version__, nccl,

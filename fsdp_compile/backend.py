@@ -47,6 +47,7 @@ from ._compat import (
     inductor_pre_grad_passes,
     make_boxed_func,
     min_cut_rematerialization_partition,
+    resolve_group,
     select_decomp_table,
 )
 from .autotune import Choice
@@ -85,6 +86,8 @@ class BackendOptions:
     inductor: bool = True
     pin_order: bool = True
     elide_single_rank: bool = True
+    inplace_gather: bool = True
+    bucket_alone_bytes: int | None = 16 << 20
     check_agreement: bool = True
     agreement_timeout_s: float | None = None
     dump_dir: str | None = None
@@ -102,7 +105,7 @@ class BackendOptions:
             raise ValueError(
                 f"make_backend: prefetch={self.prefetch!r}; use an int >= 0 (units gathered ahead) or 'auto'"
             )
-        for name in ("prefetch_bytes", "reduce_scatter_bytes"):
+        for name in ("prefetch_bytes", "reduce_scatter_bytes", "bucket_alone_bytes"):
             value = getattr(self, name)
             if value is None or value == "auto" and name == "reduce_scatter_bytes":
                 continue
@@ -183,7 +186,9 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
 def _lowering(options: BackendOptions) -> list[NamedPass]:
     lower = functools.partial(lower_unshard_pass, elide_single_rank=options.elide_single_rank)
     reduce = functools.partial(lower_reduce_grad_pass, elide_single_rank=options.elide_single_rank)
-    return [NamedPass("lower_unshard", lower), NamedPass("lower_reduce_grad", reduce), NamedPass("bucket", bucket_pass)]
+    rank_of = (lambda group: resolve_group(group).rank()) if options.inplace_gather else None
+    bucket = functools.partial(bucket_pass, rank_of=rank_of, alone_bytes=options.bucket_alone_bytes)
+    return [NamedPass("lower_unshard", lower), NamedPass("lower_reduce_grad", reduce), NamedPass("bucket", bucket)]
 
 
 def _scheduling(options: BackendOptions, choice: Choice) -> list[NamedPass]:
@@ -258,6 +263,8 @@ def make_backend(
     inductor: bool = True,
     pin_order: bool = True,
     elide_single_rank: bool = True,
+    inplace_gather: bool = True,
+    bucket_alone_bytes: int | None = 16 << 20,
     check_agreement: bool = True,
     agreement_timeout_s: float | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
@@ -280,6 +287,11 @@ def make_backend(
     ``inductor=False`` runs the scheduled FX graphs without Inductor (for debugging).
     ``pin_order=False`` lets Inductor reorder collectives by its own memory heuristics (for comparison).
     ``elide_single_rank=False`` keeps the collectives of one-rank groups (for measuring their cost).
+    ``inplace_gather=False`` packs each all-gather bucket into a buffer of its own instead of into its
+    slice of the output (NOTE [in-place all-gather] in ``passes/bucket.py``; for comparison).
+    ``bucket_alone_bytes``: a parameter at least this large (full size, bytes) keeps an all-gather and a
+    reduce-scatter of its own, which need no pack or unpack copy; smaller ones share their unit's
+    bucket (NOTE [large params alone]); ``None`` buckets every parameter.
     ``check_agreement``: before a compiled graph runs, compare its collective sequence with every peer
     rank's and raise on a difference (NOTE [agreement]), and notice ranks that run different sequences
     of compiled graphs (NOTE [lockstep]); a peer that failed or is gone is named within seconds, one
@@ -299,6 +311,8 @@ def make_backend(
         inductor=inductor,
         pin_order=pin_order,
         elide_single_rank=elide_single_rank,
+        inplace_gather=inplace_gather,
+        bucket_alone_bytes=bucket_alone_bytes,
         check_agreement=check_agreement,
         agreement_timeout_s=agreement_timeout_s,
         dump_dir=None if dump_dir is None else os.fspath(dump_dir),

@@ -4,15 +4,32 @@ Before (after ``lower``), one collective per parameter::
 
     x_i -> all_gather_into_tensor -> wait_tensor -> (W * n_i,)        for each param i of the unit
 
-After, one collective per (unit, group, dtype), packed and unpacked around it::
+After, one collective per (unit, group, dtype), packed and unpacked around it. An all-gather is
+in place (NOTE [in-place all-gather]): the members are packed straight into this rank's slice of the
+output, which the collective then fills around it::
 
-    cat(x_1..x_k) -> all_gather_into_tensor -> wait_tensor -> view(W, N)[:, off_i : off_i + n_i]
+    out = empty(W * N); out[r*N : (r+1)*N].copy_(cat(x_1..x_k))
+    -> all_gather_into_tensor_out(out[r*N : (r+1)*N], out=out) -> wait_tensor -> view(W, N)[:, off_i : off_i + n_i]
 
 and for gradients (each ``g_i`` already padded to ``W * m_i``)::
 
     cat(g_i.view(W, m_i) for i, dim=1) -> reduce_scatter_tensor -> wait_tensor -> [off_i : off_i + m_i]
 
 and, for HSDP, the all-reduces across replicas likewise (``cat -> all_reduce -> wait -> split``).
+
+NOTE [in-place all-gather]: with a separate packed input, a bucket's bytes exist twice while the
+collective runs (the packed copy beside the output), and at world size 1 NCCL copies the one into the
+other. Packing into the output's own slice needs this rank's index in the group, which the pass gets
+from ``rank_of(group)``; Inductor fuses ``copy_(cat(...))`` into one kernel that writes the slice.
+Without ``rank_of`` the bucket is packed out of place (``cat -> all_gather_into_tensor``).
+
+NOTE [large params alone]: a parameter is stored as a dim-0 shard, so its own all-gather's output *is*
+the full parameter (rank-major rows) and its own reduce-scatter's output is its shard's gradient: alone,
+it needs neither a pack nor an unpack copy (in a bucket, world > 1 makes every member's gathered rows
+strided, copied out to be used). With ``alone_bytes`` set, a member whose full size is at least that many
+bytes keeps its own collective; the smaller ones share the unit's bucket, where one launch pays for them
+all. Large collectives run near the links' bandwidth alone; the scheduling passes place a unit's
+collectives together (``prefetch`` counts units, not collectives). HSDP units are always bucketed.
 
 Only collectives of one group, one dtype and one world size share a bucket, and members are packed in
 graph order, which is the same on every rank. The bucket is placed where its first member was (an
@@ -28,7 +45,7 @@ import torch
 from torch import Tensor, fx
 
 from .order import reorder
-from .predicates import fsdp_meta, is_all_gather, is_all_reduce, is_reduce_scatter, wait_of
+from .predicates import fsdp_meta, is_all_gather, is_all_reduce, is_reduce_scatter, tensor_bytes, wait_of
 from .splice import splice
 
 __all__ = ["bucket_pass"]
@@ -50,17 +67,22 @@ def _groups(gm: fx.GraphModule, match: Callable[[fx.Node], bool]) -> list[list[f
     return list(buckets.values())
 
 
-def _gather_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[..., list[Tensor]]:
+def _gather_bucket(world: int, group: str, sizes: Sequence[int], rank: int | None) -> Callable[..., list[Tensor]]:
     def fn(*flats: Tensor) -> list[Tensor]:
-        packed = torch.cat(flats)
-        out = c10d.wait_tensor(c10d.all_gather_into_tensor(packed, world, group))
+        if rank is None:
+            out = c10d.wait_tensor(c10d.all_gather_into_tensor(torch.cat(flats), world, group))
+        else:  # NOTE [in-place all-gather]
+            n = sum(sizes)
+            buffer = flats[0].new_empty(world * n)
+            mine = buffer.narrow(0, rank * n, n).copy_(torch.cat(flats))
+            out = c10d.wait_tensor(c10d.all_gather_into_tensor_out(mine, world, group, out=buffer))
         rows = out.view(world, -1)
         return [t.reshape(-1) for t in rows.split(list(sizes), dim=1)]
 
     return fn
 
 
-def _reduce_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[..., list[Tensor]]:
+def _reduce_bucket(world: int, group: str, sizes: Sequence[int], rank: int | None) -> Callable[..., list[Tensor]]:
     def fn(*flats: Tensor) -> list[Tensor]:
         out = c10d.wait_tensor(c10d.all_reduce(torch.cat(flats), "sum", group))
         return list(out.split(list(sizes)))
@@ -68,7 +90,7 @@ def _reduce_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[...
     return fn
 
 
-def _scatter_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[..., list[Tensor]]:
+def _scatter_bucket(world: int, group: str, sizes: Sequence[int], rank: int | None) -> Callable[..., list[Tensor]]:
     def fn(*flats: Tensor) -> list[Tensor]:
         packed = torch.cat([f.view(world, -1) for f in flats], dim=1).reshape(-1)
         out = c10d.wait_tensor(c10d.reduce_scatter_tensor(packed, "sum", world, group))
@@ -77,7 +99,8 @@ def _scatter_bucket(world: int, group: str, sizes: Sequence[int]) -> Callable[..
     return fn
 
 
-def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: dict[fx.Node, fx.Node]) -> None:
+def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: dict[fx.Node, fx.Node],
+           rank_of: Callable[[str], int] | None = None) -> None:
     waits = [wait_of(m) for m in members]
     inputs = [m.args[0] for m in members]
     assert all(isinstance(i, fx.Node) for i in inputs)
@@ -89,12 +112,13 @@ def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: d
     meta.pop("param", None)
     meta["params"] = [fsdp_meta(m).get("param") for m in members]
     make = _gather_bucket if gather else _reduce_bucket if reduce else _scatter_bucket
+    rank = rank_of(group) if gather and rank_of is not None else None
     # An all-gather goes where its first member was; a reduce-scatter where its last one was, which
     # is after all its inputs (each member came right after its own input).
     anchor = members[0] if gather else members[-1]
     new_nodes: list[fx.Node] = []
-    outs = splice(gm.graph, make(world, group, sizes), inputs, before=anchor, meta=meta,  # type: ignore[arg-type]
-                  inserted=new_nodes, cache_key=(make.__name__, world, group, tuple(sizes)))
+    outs = splice(gm.graph, make(world, group, sizes, rank), inputs, before=anchor, meta=meta,  # type: ignore[arg-type]
+                  inserted=new_nodes, cache_key=(make.__name__, world, group, tuple(sizes), rank))
     if gather:
         # The inputs (casts and views of graph inputs) move up with the bucket.
         for inp in inputs:
@@ -119,13 +143,28 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
     return list(seen)
 
 
-def bucket_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """Merge each unit's per-parameter all-gathers, and reduce-scatters, into one collective each."""
+def _alone(launch: fx.Node, alone_bytes: int | None) -> bool:
+    """NOTE [large params alone]: does this member keep its own collective?"""
+    if alone_bytes is None or fsdp_meta(launch).get("replicate_group"):
+        return False
+    full = tensor_bytes(wait_of(launch)) if is_all_gather(launch) else tensor_bytes(launch.args[0])  # type: ignore[arg-type]
+    return full >= alone_bytes
+
+
+def bucket_pass(gm: fx.GraphModule, *, rank_of: Callable[[str], int] | None = None,
+                alone_bytes: int | None = None) -> fx.GraphModule:
+    """Merge each unit's per-parameter all-gathers, and reduce-scatters, into one collective each.
+
+    ``rank_of(group_name)``: this rank's index in a group; given, all-gathers are packed in place
+    (NOTE [in-place all-gather]). ``alone_bytes``: members of at least this full size keep a collective
+    of their own (NOTE [large params alone]); ``None``: every member is bucketed."""
     hoist: dict[fx.Node, fx.Node] = {}
     for members in _groups(gm, is_all_gather):
+        members = [m for m in members if not _alone(m, alone_bytes)]
         if len(members) > 1:
-            _merge(gm, members, gather=True, hoist=hoist)
+            _merge(gm, members, gather=True, hoist=hoist, rank_of=rank_of)
     for members in _groups(gm, is_reduce_scatter):
+        members = [m for m in members if not _alone(m, alone_bytes)]
         if len(members) > 1:
             _merge(gm, members, gather=False, hoist=hoist)
     for members in _groups(gm, is_all_reduce):  # HSDP: across replicas, after the reduce-scatter

@@ -51,8 +51,10 @@ def is_reduce_grad(node: fx.Node) -> bool:
 
 
 def is_all_gather(node: fx.Node) -> bool:
-    """``flat shard -> all_gather_into_tensor(n, group)``"""
-    return node.op == "call_function" and node.target is c10d.all_gather_into_tensor.default
+    """``flat shard -> all_gather_into_tensor(n, group)``, or the in-place form a bucket uses:
+    ``slice of out -> all_gather_into_tensor_out(n, group, out=out)``"""
+    return node.op == "call_function" and node.target in (c10d.all_gather_into_tensor.default,
+                                                          c10d.all_gather_into_tensor_out.default)
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:

@@ -1,7 +1,10 @@
 """Prefetch all-gathers: issue unit k+d's all-gather before unit k's compute, wait just before use.
 
 Units are taken in the order their gathered params are first used, which is forward order in the
-forward graph and reverse order in the backward graph, so one rule serves both::
+forward graph and reverse order in the backward graph, so one rule serves both. A unit with several
+all-gathers (NOTE [large params alone] in ``bucket.py``) moves them together: depth counts *groups*,
+each a run of consecutive all-gathers (by first use) of one unit, so a unit used in two places (a root
+holding the embedding and the output head) is gathered in two groups, each as late as its use allows::
 
     before:  [AG0 wait0] use0 ... [AG1 wait1] use1 ... [AG2 wait2] use2
     depth 1: AG0 AG1 wait0 use0 ... AG2 wait1 use1 ... wait2 use2
@@ -31,26 +34,34 @@ def prefetch_pass(gm: fx.GraphModule, *, depth: int = 1, max_bytes: int | None =
         return gm
     index = positions(gm.graph)
     first_use = {id(r): min(index[u] for u in r.users) for r in gathers}
-    order = sorted(gathers, key=lambda r: first_use[id(r)])
+    order: list[list[Region]] = []  # groups: runs of one unit's all-gathers, by first use
+    for r in sorted(gathers, key=lambda r: first_use[id(r)]):
+        if order and order[-1][0].unit == r.unit:
+            order[-1].append(r)
+        else:
+            order.append([r])
     keys: dict[fx.Node, float] = {}
     last_target = -1.0
-    for i, r in enumerate(order):
+    k = 0
+    for i, group in enumerate(order):
         d = min(depth, i)
         while d > 0 and _in_flight(order, i, d) > (max_bytes if max_bytes is not None else float("inf")):
             d -= 1
-        # Before the compute of the unit d places earlier; never before an earlier unit's launch.
-        target = max(first_use[id(order[i - d])], last_target)
+        # Before the compute of the group d places earlier; never before an earlier group's launch.
+        target = max(first_use[id(order[i - d][0])], last_target)
         last_target = target
-        # Launches keep first-use order within (target - 0.5, target - 0.4), however many units.
-        _place(keys, [*r.prologue, r.launch], target - 0.5 + 0.1 * i / len(order))
-        _place(keys, [r.wait, *r.epilogue], first_use[id(r)] - 0.25)
+        for r in group:
+            # Launches keep first-use order within (target - 0.5, target - 0.4), however many regions.
+            _place(keys, [*r.prologue, r.launch], target - 0.5 + 0.1 * k / len(gathers))
+            _place(keys, [r.wait, *r.epilogue], first_use[id(r)] - 0.25)
+            k += 1
     reorder(gm.graph, keys)
     return gm
 
 
-def _in_flight(order: list[Region], i: int, d: int) -> int:
-    """Output bytes gathered and not yet used when unit ``i`` is issued ``d`` units early."""
-    return sum(r.out_bytes for r in order[i - d: i + 1])
+def _in_flight(order: list[list[Region]], i: int, d: int) -> int:
+    """Output bytes gathered and not yet used when group ``i`` is issued ``d`` groups early."""
+    return sum(r.out_bytes for group in order[i - d: i + 1] for r in group)
 
 
 def _place(keys: dict[fx.Node, float], nodes: list[fx.Node], key: float) -> None:

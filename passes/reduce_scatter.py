@@ -39,7 +39,8 @@ def reduce_scatter_pass(
     """Place reduce-scatter launches and waits (see module doc).
 
     ``max_bytes``: the cap on input bytes in flight; ``None`` for no cap; ``"auto"`` for twice the
-    largest bucket of this graph (a launch may overlap the previous one, no more).
+    largest unit's reduce-scatter input of this graph (one bucket, or a unit's collectives together:
+    NOTE [large params alone]; a unit's launches may overlap the previous unit's, no more).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"reduce_scatter_pass: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -47,7 +48,10 @@ def reduce_scatter_pass(
     if not scatters:
         return gm
     if max_bytes == "auto":
-        max_bytes = 2 * max(r.in_bytes for r in scatters)
+        per_unit: dict[object, int] = {}
+        for r in scatters:
+            per_unit[r.unit] = per_unit.get(r.unit, 0) + r.in_bytes
+        max_bytes = 2 * max(per_unit.values())
     elif isinstance(max_bytes, str):
         raise ValueError(f"reduce_scatter_pass: max_bytes must be an int, None or 'auto', got {max_bytes!r}")
     index = positions(gm.graph)

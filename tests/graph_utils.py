@@ -16,6 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.backend import observe_graphs
+from fsdp_compile.schedule import group_labels, listing
 from fsdp_compile.models import ModelConfig
 from passes.predicates import is_all_gather, is_reduce_scatter, is_wait
 
@@ -72,6 +73,21 @@ def capture(model: nn.Module, example: torch.Tensor, **backend_kw: Any) -> dict[
         if out.requires_grad:
             out.float().sum().backward()
     return dict(seen)
+
+
+class ScheduleCase(FakeWorldTestCase):
+    """Compiles ``ThreeUnits`` (three ``Linear(8, 8)`` units) and lists the forward and backward schedules."""
+
+    def schedule(self, dedicated: str = "reduce_scatter", shard_kw: dict[str, Any] | None = None,
+                 no_sync: bool = False, **backend_kw: Any) -> tuple[str, str]:
+        groups = FsdpGroups.create(dedicated=dedicated)
+        torch.manual_seed(0)
+        model = shard_blocks_then_root(ThreeUnits(), groups, **(shard_kw or {}))
+        if no_sync:
+            model.set_requires_gradient_sync(False)
+        graphs = capture(model, torch.randn(4, 8), **backend_kw)
+        labels = group_labels(groups)
+        return listing(graphs["forward"], labels), listing(graphs["backward"], labels)
 
 
 def collectives(gm: fx.GraphModule) -> list[fx.Node]:

@@ -187,6 +187,9 @@ class TwoRanks(TorchDispatchMode):
         if func is c10d.all_gather_into_tensor.default:
             x, n, _ = args
             return torch.cat([x + 100 * r for r in range(n)])
+        if func is c10d.all_gather_into_tensor_out.default:  # x is rank 0's slice of out
+            x, n, _ = args
+            return kwargs["out"].copy_(torch.cat([x + 100 * r for r in range(n)]))
         if func is c10d.reduce_scatter_tensor.default:
             x, _, n, _ = args
             return (x * sum(range(1, n + 1))).chunk(n)[0].clone()

@@ -223,22 +223,22 @@ class TableTest(TestCase):
         # Unit 1's all-gather queues behind unit 0's on the all-gather stream; on this tiny model every
         # wait is exposed (a 15 us collective latency against nanoseconds of compute).
         self.assertExpectedInline(table(fwd, simulate(fwd, H200), labels), """\
-order  node                      unit  collective  group  stream      bytes  est. start (us)  est. end (us)
-    0  pack (3 nodes)            0     all_gather  ag     compute                      0.000          0.000
-    1  all_gather_into_tensor_6  0     all_gather  ag     all_gather    288            0.000         15.000
-    2  pack (3 nodes)            1     all_gather  ag     compute                      0.000          0.000
-    3  all_gather_into_tensor_7  1     all_gather  ag     all_gather    288           15.000         30.001
-    4  wait_tensor_6             0     all_gather  ag     compute                      0.000         15.000
-    5  unpack (12 nodes)         0     all_gather  ag     compute                     15.000         15.001
-    6  addmm relu (3 nodes)                               compute                     15.001         15.001
-    7  pack (3 nodes)            2     all_gather  ag     compute                     15.001         15.001
-    8  all_gather_into_tensor_8  2     all_gather  ag     all_gather    288           30.001         45.001
-    9  wait_tensor_7             1     all_gather  ag     compute                     15.001         30.001
-   10  unpack (12 nodes)         1     all_gather  ag     compute                     30.001         30.001
-   11  addmm relu (3 nodes)                               compute                     30.001         30.001
-   12  wait_tensor_8             2     all_gather  ag     compute                     30.001         45.001
-   13  unpack (12 nodes)         2     all_gather  ag     compute                     45.001         45.001
-   14  addmm relu le (4 nodes)                            compute                     45.001         45.002""")
+order  node                          unit  collective  group  stream      bytes  est. start (us)  est. end (us)
+    0  pack (6 nodes)                0     all_gather  ag     compute                      0.000          0.000
+    1  all_gather_into_tensor_out    0     all_gather  ag     all_gather    288            0.000         15.001
+    2  pack (6 nodes)                1     all_gather  ag     compute                      0.000          0.001
+    3  all_gather_into_tensor_out_1  1     all_gather  ag     all_gather    288           15.001         30.001
+    4  wait_tensor_6                 0     all_gather  ag     compute                      0.001         15.001
+    5  unpack (12 nodes)             0     all_gather  ag     compute                     15.001         15.001
+    6  addmm relu (3 nodes)                                   compute                     15.001         15.001
+    7  pack (6 nodes)                2     all_gather  ag     compute                     15.001         15.001
+    8  all_gather_into_tensor_out_2  2     all_gather  ag     all_gather    288           30.001         45.001
+    9  wait_tensor_7                 1     all_gather  ag     compute                     15.001         30.001
+   10  unpack (12 nodes)             1     all_gather  ag     compute                     30.001         30.001
+   11  addmm relu (3 nodes)                                   compute                     30.001         30.001
+   12  wait_tensor_8                 2     all_gather  ag     compute                     30.001         45.001
+   13  unpack (12 nodes)             2     all_gather  ag     compute                     45.001         45.002
+   14  addmm relu le (4 nodes)                                compute                     45.002         45.002""")
 
 
 # --- load_hardware ------------------------------------------------------------------------------

@@ -77,6 +77,8 @@ SCHEDULES = {
     "prefetch-2": ({"prefetch": 2}, {}),
     "tiny-caps": ({"prefetch": 2, "prefetch_bytes": 1, "reduce_scatter_bytes": 1}, {}),
     "no-reduce-scatter-cap": ({"reduce_scatter_bytes": None}, {}),
+    "params-alone": ({"bucket_alone_bytes": 1}, {}),  # NOTE [large params alone]: no buckets at all
+    "bucket-packed-apart": ({"inplace_gather": False}, {}),  # the all-gather bucket packed out of place
 }
 
 

@@ -7,6 +7,7 @@ import torch
 from expecttest import TestCase
 from torch import Tensor
 
+from passes.bucket import bucket_pass
 from passes.lower import lower_unshard_pass
 from passes.predicates import fsdp_meta
 
@@ -124,6 +125,34 @@ class TestBucket(TestCase):
         gm = bucketed(gm)
         self.assertEqual([val(n.args[0])[1] for n in launches(gm)], [torch.bfloat16, torch.float32] * 2)
         assert_same(run(gm), want)
+
+    def test_in_place_gather_packs_into_its_output(self) -> None:
+        # NOTE [in-place all-gather]: rank r's members are copied into out[r*N:(r+1)*N], gathered in place.
+        gm = forward_graph()
+        want = run(gm)
+        gm = valid(bucket_pass(lowered(gm), rank_of=lambda group: 0))
+        self.assertEqual(len(gathers(gm)), 3)
+        for ag in gathers(gm):
+            self.assertIs(ag.target, torch.ops._c10d_functional.all_gather_into_tensor_out.default)
+            mine, out = ag.args[0], ag.kwargs["out"]
+            self.assertIs(mine.target, torch.ops.aten.copy_.default)
+            self.assertIs(mine.args[0].target, torch.ops.aten.slice.Tensor)  # narrow(out, 0, 0, N)
+            self.assertIs(mine.args[0].args[0], out)
+            self.assertEqual(val(out), ((2 * 36,), torch.float32))  # 2 ranks x (32 + 4)
+        assert_same(run(gm), want)
+
+    def test_large_params_alone(self) -> None:
+        # NOTE [large params alone]: the 256 B weights keep their own collectives; a bias is what is left
+        # of its unit's bucket, so it is alone too; nothing is packed.
+        for make in (forward_graph, lambda: backward_graph(gathers=True)):
+            gm, per_param = make(), len(launches(lowered(make())))
+            want = run(gm)
+            gm = valid(bucket_pass(lowered(gm), rank_of=lambda group: 0, alone_bytes=200))
+            self.assertEqual(len(launches(gm)), per_param)
+            self.assertFalse([n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default])
+            assert_same(run(gm), want)
+        gm = valid(bucket_pass(lowered(forward_graph()), alone_bytes=260))  # weights 256 B: all bucketed
+        self.assertEqual(len(gathers(gm)), 3)
 
     def test_scatter_bucket_pads_each_member(self) -> None:
         def fn(gw: Tensor, gb: Tensor) -> list[Tensor]:

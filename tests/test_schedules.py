@@ -8,28 +8,16 @@ Run with ``EXPECTTEST_ACCEPT=1`` to update the snapshots after an intended chang
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy
 from fsdp_compile.schedule import group_labels, listing
 
-from .graph_utils import FakeWorldTestCase, ThreeUnits, capture, shard_blocks_then_root
+from .graph_utils import FakeWorldTestCase, ScheduleCase, ThreeUnits, capture, shard_blocks_then_root
 
 
-class ScheduleTest(FakeWorldTestCase):
-    def schedule(self, dedicated: str = "reduce_scatter", shard_kw: dict[str, Any] | None = None,
-                 no_sync: bool = False, **backend_kw: Any) -> tuple[str, str]:
-        groups = FsdpGroups.create(dedicated=dedicated)
-        torch.manual_seed(0)
-        model = shard_blocks_then_root(ThreeUnits(), groups, **(shard_kw or {}))
-        if no_sync:
-            model.set_requires_gradient_sync(False)
-        graphs = capture(model, torch.randn(4, 8), **backend_kw)
-        labels = group_labels(groups)
-        return listing(graphs["forward"], labels), listing(graphs["backward"], labels)
+class ScheduleTest(ScheduleCase):
 
     def test_default(self) -> None:
         fwd, bwd = self.schedule()
@@ -233,56 +221,6 @@ class ScheduleTest(FakeWorldTestCase):
 22 wait            unit 0  rs     reduce_scatter
 23 unpack          unit 1  rs
 24 unpack          unit 0  rs""")
-
-    def test_small_reduce_scatter_cap(self) -> None:
-        fwd, bwd = self.schedule(reduce_scatter_bytes=300)
-        # A cap of 300 B holds one 288 B bucket: each reduce-scatter is waited before the next launch.
-        self.assertExpectedInline(bwd, """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag
-2  all_gather      unit 2  ag     all_gather      256 B
-3  pack            unit 1  ag
-4  all_gather      unit 1  ag     all_gather      256 B
-5  wait            unit 2  ag     all_gather
-6  unpack          unit 2  ag
-7  compute         mm sum  (7 nodes)
-8  pack            unit 2  rs
-9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-10 compute         le where  (2 nodes)
-11 wait            unit 1  ag     all_gather
-12 unpack          unit 1  ag
-13 compute         mm sum  (7 nodes)
-14 wait            unit 2  rs     reduce_scatter
-15 unpack          unit 2  rs
-16 pack            unit 1  rs
-17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-18 compute         le where mm sum  (6 nodes)
-19 wait            unit 1  rs     reduce_scatter
-20 unpack          unit 1  rs
-21 pack            unit 0  rs
-22 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-23 wait            unit 0  rs     reduce_scatter
-24 unpack          unit 0  rs""")
-
-    def test_small_prefetch_cap(self) -> None:
-        fwd, bwd = self.schedule(prefetch=2, prefetch_bytes=600)
-        # Depth 2 asked, but 600 B holds two 288 B gathered buckets: unit 2 is issued one unit ahead.
-        self.assertExpectedInline(fwd, """\
-0  pack            unit 0  ag
-1  all_gather      unit 0  ag     all_gather      288 B
-2  pack            unit 1  ag
-3  all_gather      unit 1  ag     all_gather      288 B
-4  wait            unit 0  ag     all_gather
-5  unpack          unit 0  ag
-6  compute         addmm relu  (3 nodes)
-7  pack            unit 2  ag
-8  all_gather      unit 2  ag     all_gather      288 B
-9  wait            unit 1  ag     all_gather
-10 unpack          unit 1  ag
-11 compute         addmm relu  (3 nodes)
-12 wait            unit 2  ag     all_gather
-13 unpack          unit 2  ag
-14 compute         addmm relu le  (4 nodes)""")
 
     def test_mixed_precision_casts_before_all_gather(self) -> None:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

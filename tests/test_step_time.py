@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks import step_time as st
-from benchmarks.models import (PRESETS, VARIANTS, ModelSpec, RssSampler, SharedGroups, build_variant, loss_of,
+from benchmarks.models import (DEFAULT_VARIANTS, PRESETS, VARIANTS, ModelSpec, RssSampler, SharedGroups, build_variant, loss_of,
                                make_batch, own_forward, peak_flops_for, read_rss_bytes, run_delay_s, train_flops,
                                unavailable_reason)
 
@@ -32,7 +32,8 @@ def test_defaults_are_the_cpu_preset() -> None:
     assert (spec.kind, spec.layers, spec.dim, spec.heads, spec.vocab, spec.seq, spec.batch, spec.dtype) == (
         "llama", 4, 256, 4, 512, 64, 4, "fp32")
     assert (opts.warmup, opts.rounds, opts.steps) == (3, 5, 5)
-    assert opts.variants == VARIANTS and opts.ranks == 2 and opts.png
+    assert opts.variants == DEFAULT_VARIANTS and opts.ranks == 2 and opts.png
+    assert set(DEFAULT_VARIANTS) < set(VARIANTS) and "fsdp-compile-packed" not in DEFAULT_VARIANTS
     assert opts.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert "benchmarks" in opts.command or "pytest" in opts.command
 
@@ -225,7 +226,7 @@ def test_json_keeps_every_raw_step_time(tmp_path: Path) -> None:
     st.write_json(path, "header", rows, reports, opts)
     data = json.loads(path.read_text())
     assert data["meta"]["header"] == "header" and data["meta"]["world"] == 2
-    assert data["meta"]["model"]["dim"] == 256 and data["meta"]["variants"] == list(VARIANTS)
+    assert data["meta"]["model"]["dim"] == 256 and data["meta"]["variants"] == list(DEFAULT_VARIANTS)
     first = data["variants"][0]
     assert first["name"] == "fsdp-compile" and first["step_s"] == [0.011, 0.012, 0.013]
     assert [r["step_s"] for r in first["ranks"]] == [[0.010, 0.012, 0.011], [0.011, 0.010, 0.013]]
@@ -279,13 +280,19 @@ def test_end_to_end_two_gloo_ranks(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "benchmarks.step_time", "--device", "cpu", "--model", "llama", "--dim", "32",
            "--layers", "2", "--heads", "4", "--vocab", "64", "--seq", "16", "--batch", "2", "--ranks", "2",
-           "--variants", "fsdp-compile,fsdp2-eager", "--rounds", "1", "--steps", "1", "--warmup", "1",
+           "--variants", "fsdp-compile,fsdp2-eager,simplefsdp,megatron-fsdp", "--rounds", "1", "--steps", "1",
+           "--warmup", "1",
            "--json", str(out), "--no-png", "--timeout", "900"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1000)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     by_name = {v["name"]: v for v in data["variants"]}
-    assert set(by_name) == {"fsdp-compile", "fsdp2-eager"} and data["meta"]["world"] == 2
+    assert set(by_name) == {"fsdp-compile", "fsdp2-eager", "simplefsdp", "megatron-fsdp"}
+    assert data["meta"]["world"] == 2 and data["meta"]["optimizer"] == "fused"
+    for peer in ("simplefsdp", "megatron-fsdp"):  # both need CUDA; the table says why
+        reason = by_name.pop(peer)["reason"]
+        assert reason and ("CUDA" in reason or "not installed" in reason), reason
+        assert f"* {peer}: not measured: " in proc.stdout
     for v in by_name.values():
         assert v["reason"] is None and v["median_ms"] > 0 and v["cold_s"] > 0
         assert len(v["ranks"]) == 2 and all(t > 0 for r in v["ranks"] for t in r["step_s"])

@@ -1,0 +1,93 @@
+"""benchmarks.peers: SimpleFSDP's compile settings and joint-graph tagging, and why each peer is not measured
+on CPU (both need CUDA: see the reasons); world1_costs' snapshot replay."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from benchmarks import peers
+from benchmarks.models import unavailable_reason
+from benchmarks.world1_costs import kernel_class, live_at_peak
+
+c10d = torch.ops._c10d_functional
+
+
+def _gather_graph() -> fx.GraphModule:
+    """``param -> cast -> all_gather -> wait -> slice -> mm`` and an all-gather of a computed value."""
+    g = fx.Graph()
+    param, x = g.placeholder("param"), g.placeholder("x")
+    cast = g.call_function(torch.ops.prims.convert_element_type.default, (param, torch.bfloat16))
+    gather = g.call_function(c10d.all_gather_into_tensor.default, (cast, 2, "0"))
+    wait = g.call_function(c10d.wait_tensor.default, (gather,))
+    narrow = g.call_function(torch.ops.aten.slice.Tensor, (wait, 0, 0, 4))
+    y = g.call_function(torch.ops.aten.mm.default, (x, narrow))
+    relu = g.call_function(torch.ops.aten.relu.default, (y,))
+    act = g.call_function(c10d.all_gather_into_tensor.default, (relu, 2, "0"))
+    act_wait = g.call_function(c10d.wait_tensor.default, (act,))
+    g.output((act_wait,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_reshard_after_forward_tags_parameter_gathers_only() -> None:
+    gm = peers.reshard_after_forward_pass(_gather_graph())
+    tagged = {n.target for n in gm.graph.nodes if n.meta.get("recompute") is CheckpointPolicy.MUST_RECOMPUTE}
+    assert tagged == {torch.ops.prims.convert_element_type.default, c10d.all_gather_into_tensor.default,
+                      c10d.wait_tensor.default, torch.ops.aten.slice.Tensor}
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert "recompute" in gathers[0].meta and "recompute" not in gathers[1].meta  # an activation: left alone
+
+
+def test_simple_fsdp_settings_are_torchtitans_auto_bucketing(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = peers.simple_fsdp_inductor_options("cuda")
+    assert options["reorder_for_peak_memory"] is False and options["allow_buffer_reuse"] is False
+    assert options["reorder_for_compute_comm_overlap"] is False
+    seen: dict[str, object] = {}
+    import torch._inductor.fx_passes.overlap_scheduling as overlap
+
+    monkeypatch.setattr(overlap, "schedule_overlap_bucketing", lambda gm, **kw: seen.update(kw, gm=gm))
+    gm = _gather_graph()
+    options["post_grad_custom_post_pass"](gm.graph)
+    assert seen["gm"] is gm and seen["collective_bucketing"] is True and seen["insert_overlap_deps"] is True
+
+
+def test_peers_report_why_they_do_not_run_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    for name in peers.PEERS:
+        reason = unavailable_reason(name, 2, cpu)
+        assert reason is not None and ("CUDA" in reason or "not installed" in reason), reason
+    if importlib.util.find_spec("torchtitan") is not None:
+        assert "Triton" in (peers.peer_reason("simplefsdp", cpu) or "")
+    with pytest.raises(ValueError, match="unknown peer"):
+        peers.peer_reason("deepspeed", cpu)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="needs the bench extra (torchtitan)")
+def test_simple_fsdp_file_loads_without_torchtitans_dependencies() -> None:
+    module = peers._simple_fsdp_module()
+    assert callable(module.data_parallel) and module.__name__ == "_bench_simple_fsdp"
+
+
+def test_live_at_peak_replays_allocations() -> None:
+    frames = [{"filename": "/tmp/torchinductor_x/ab/cab.py", "line": 1, "name": "call"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": []},
+             {"action": "free_completed", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 3, "size": 20, "frames": []}]
+    out = live_at_peak({"device_traces": [trace]}, baseline=2**20)
+    assert out["peak_above_start_mib"] == pytest.approx(150 / 2**20) and out["baseline_mib"] == 1.0
+    assert sorted(r["count"] for r in out["live_at_peak"]) == [1, 1]  # 100 B (generated code) and 50 B
+
+
+def test_kernel_classes() -> None:
+    assert kernel_class("ncclDevKernel_AllGather_RING_LL") == "nccl"
+    assert kernel_class("nvjet_tst_256x128_64x4") == "matmul"
+    assert kernel_class("Memcpy DtoD (Device -> Device)") == "copy"
+    assert kernel_class("triton_poi_fused_cat_0") == "copy"  # a pack
+    assert kernel_class("triton_red_fused_gelu_sum_2") == "triton"
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<8, GeluCUDAKernelImpl>") == "other"
+    assert kernel_class("void at::native::_fused_adamw_kernel") == "optimizer"

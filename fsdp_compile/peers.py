@@ -13,9 +13,11 @@ something else, and so ends, much later, with the wrong diagnosis. Hence:
   it waits for is itself waiting for a key this rank never posted, neither can go on: they diverged.
 - If the store's host (rank 0, or torchrun's agent) is gone, store calls fail: that is reported too.
 
-So :func:`wait_for` returns every peer's value, or raises :class:`PeerError` naming the rank and what
-happened: within seconds when a peer is gone or diverged, at the process group's timeout when a peer is
-alive but never comes. The heartbeat costs one small store write per rank per second.
+So :func:`wait_for` returns once every peer has posted, or raises :class:`PeerError` naming the rank and
+what happened: within seconds when a peer is gone or diverged, at the process group's timeout when a
+peer is alive but never comes. While all goes well a waiting rank polls one arrival counter per group,
+so the cost does not grow with the number of peers; the heartbeat is one small store write per rank per
+second.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ import torch.distributed as dist
 
 from ._compat import default_store, store_connection
 
-__all__ = ["COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "PeerError", "Waiting", "describe", "describe_all", "group_id", "note_failure", "release", "start", "wait_for"]
+__all__ = [
+    "COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "PeerError", "Waiting", "describe",
+    "describe_all", "group_id", "note_failure", "release", "start", "wait_for",
+]
 
 HEARTBEAT_S = 1.0
 STALE_S = 10.0  # a heartbeat this old means the rank is gone

@@ -282,7 +282,7 @@ def node_seconds(node: fx.Node, hw: Hardware) -> float:
     if node.op != "call_function" or is_collective(node) or is_wait(node):
         return 0.0
     name = op_name(node)
-    if name in ZERO_COST_OPS:
+    if name in ZERO_COST_OPS or not _tensors(node.meta.get("val")):  # a view, or arithmetic on sizes
         return 0.0
     seconds = node_bytes(node) / (hw.memory_bandwidth * hw.fraction_of(name, hw.memory_fraction))
     flops = node_flops(node)

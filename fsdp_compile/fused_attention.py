@@ -7,7 +7,8 @@ kernel (flash or cuDNN) that never writes the scores. ``FusedAttention``, a ``To
 Dynamo traces through, turns each SDPA call it can into ``aten._scaled_dot_product_flash_attention``,
 whose backward is ``_scaled_dot_product_flash_attention_backward``: the ops, FLOPs and bytes of the
 GPU's kernel (``cost.py`` costs them). Calls the flash kernel does not take (an explicit mask, fp32,
-a head dimension over 256, grouped-query attention left to SDPA) keep the math path.
+a head dimension over 256) keep the math path; grouped-query attention (``enable_gqa``) is traced with
+its key and value heads repeated, as many FLOPs as the kernel does.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ def _flash_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ..
         return None
     if bound.get("attn_mask") is not None or q.dtype not in _FLASH_DTYPES or q.shape[-1] > 256:
         return None
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:  # grouped-query: left to SDPA
-        return None
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        if not bound.get("enable_gqa") or q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+            return None  # SDPA would refuse it too
+        rep = q.shape[1] // k.shape[1]  # grouped-query: the kernel's FLOPs are those of repeated heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return q, k, v, float(bound.get("dropout_p", 0.0)), bool(bound.get("is_causal", False)), bound.get("scale")
 
 

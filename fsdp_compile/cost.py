@@ -21,7 +21,8 @@ How the model reads a GPU, and what it leaves out:
 - Each kernel costs at least ``kernel_latency``.
 
 The estimates rank schedules and show where communication is exposed (``fsdp_compile.timeline``);
-against measured H200 steps they land within about 15% (README, "See the schedule").
+against six measured H200 steps they land within 12% (README, "See the schedule";
+``benchmarks/calibration/check_explain.py``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from torch import Tensor, fx, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .backend import make_backend, observe_graphs
-from .cost import optimizer_seconds
+from .cost import OPTIMIZER_PASSES, optimizer_seconds
 from .fused_attention import FusedAttention
 from .groups import FsdpGroups
 from .hardware import Hardware, load_hardware
@@ -192,6 +192,8 @@ def explain(
     With ``out_dir``, writes ``<graph>.txt``, ``trace.json``, ``timeline.png`` and ``summary.json`` there.
     """
     hw = load_hardware(hardware, calibration)
+    if optimizer is not None and optimizer not in OPTIMIZER_PASSES:
+        raise ValueError(f"explain: unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_PASSES)} or None")
     if isinstance(hardware, str):  # "auto" settings use the same cost model
         backend_kw = {"hardware": hardware, "calibration": calibration if isinstance(calibration, (str, Path)) else None,
                       **backend_kw}

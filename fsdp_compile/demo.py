@@ -92,7 +92,10 @@ def train(rank: int, world: int, args: DemoArgs) -> list[float]:
 
     say = print if rank == 0 else (lambda *a, **k: None)
     how = "with Inductor" if args.inductor else "without Inductor"
-    expect = "half a minute to a minute on 2 CPU cores" if device.type == "cpu" else "tens of seconds"
+    if device.type != "cpu":
+        expect = "tens of seconds"
+    else:
+        expect = "half a minute to a minute on 2 CPU cores" if args.inductor else "about ten seconds on 2 CPU cores"
     say(f"step 0 compiles the forward and backward graphs {how} first ({expect}) ...", flush=True)
     t0 = time.perf_counter()
     step()

@@ -1,24 +1,33 @@
-"""A roofline cost model for the nodes of a scheduled graph, and ring estimates for its collectives.
+"""The cost of one node, one collective and one optimizer step on a ``Hardware`` model.
 
-``Hardware`` holds the handful of numbers the model needs; ``HARDWARE`` has presets (H100, H200, a
-2-core CPU running gloo), and ``load_hardware`` overlays a calibration file of measured numbers::
+::
 
-    hw = load_hardware("h200", "benchmarks/calibration/example.json")
-    node_seconds(mm_node, hw)                              # max(FLOPs / rate, bytes / bandwidth)
+    hw = load_hardware("h200", "benchmarks/calibration/h200x2.json")
+    node_seconds(mm_node, hw)                              # max(FLOPs / rate(shape), bytes / bandwidth)
     collective_seconds("all_gather", 64 << 20, 8, hw)      # latency + (w-1)/w * bytes / busbw
+    optimizer_seconds([(numel, 2)], hw, "adamw")           # the foreach kernels' passes over the state
 
-The estimates are first-order: they rank schedules and show where communication is exposed (see
-``fsdp_compile.timeline``); they do not predict a step time to the percent.
+How the model reads a GPU, and what it leaves out:
+
+- Matmuls run at ``matmul_fraction`` of the dtype's peak, less for small dimensions (``Hardware``'s
+  ``matmul_half_mn`` / ``matmul_half_k``: fewer tiles, fewer waves).
+- Attention is costed as the fused kernel the GPU runs (flash / cuDNN): its FLOPs (the causal half when
+  causal) at ``attention_fraction`` (backward: ``attention_backward_fraction``) of peak, less for short
+  sequences. ``explain`` traces attention as that kernel (``fused_attention.py``); a graph that holds the
+  math path instead (scores materialised) is costed as the ops it holds.
+- Everything else is memory-bound. Alone (``node_seconds``) a node reads its inputs and writes its
+  output; in a graph, ``fusion.graph_seconds`` groups what Inductor fuses and counts each group's
+  traffic once.
+- Each kernel costs at least ``kernel_latency``.
+
+The estimates rank schedules and show where communication is exposed (``fsdp_compile.timeline``);
+against six measured H200 steps they land within 12% (README, "See the schedule";
+``benchmarks/calibration/check_explain.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 from torch import fx
@@ -35,148 +44,29 @@ from passes.predicates import (
 )
 
 from ._compat import resolve_group
+from .hardware import HARDWARE, Hardware, detect_hardware, load_hardware, write_calibration
 
 __all__ = [
     "Hardware",
     "HARDWARE",
     "ZERO_COST_OPS",
+    "MATMUL_OPS",
+    "ATTENTION_OPS",
+    "OPTIMIZER_PASSES",
     "load_hardware",
     "write_calibration",
+    "detect_hardware",
     "collective_seconds",
     "launch_seconds",
     "node_seconds",
     "node_flops",
+    "node_bytes",
+    "read_bytes",
+    "matmul_efficiency",
+    "optimizer_seconds",
     "collective_bytes",
     "collective_world",
 ]
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What one rank can do, in SI units (FLOP/s, bytes/s, seconds)."""
-
-    name: str
-    peak_flops_bf16: float  # dense FLOP/s of bf16/fp16 matmuls (also used for fp8/int8: a lower bound)
-    peak_flops_fp32: float  # FLOP/s of fp32 matmuls without TF32 (PyTorch's default)
-    matmul_fraction: float  # share of peak a large matmul reaches
-    memory_bandwidth: float  # bytes/s of device memory
-    memory_fraction: float  # share of it a streaming kernel (copy, pointwise) reaches
-    intra_node_busbw: float  # bytes/s per rank, NCCL "busbw", ranks within a node
-    inter_node_busbw: float  # bytes/s per rank when a group spans nodes
-    ranks_per_node: int
-    collective_latency: float  # s, fixed cost of one collective (launch + first step)
-    hop_latency: float = 0.0  # s, each further ring step (world - 2 of them)
-    # op name -> fraction of peak FLOP/s and of memory bandwidth for that op, e.g. (("mm", 0.6),)
-    op_fraction: tuple[tuple[str, float], ...] = ()
-
-    def fraction_of(self, op: str, default: float) -> float:
-        """The achievable fraction for ``op`` (an overload packet name), or ``default``."""
-        for name, frac in self.op_fraction:
-            if name == op:
-                return frac
-        return default
-
-
-# H100 SXM5 (NVIDIA H100 datasheet): 989 TFLOP/s dense bf16 (1979 with sparsity), 67 TFLOP/s fp32,
-# 3.35 TB/s HBM3. NVLink4: 900 GB/s bidirectional = 450 GB/s per direction; nccl-tests all-gather /
-# reduce-scatter on 8 GPUs report a busbw of about 350-380 GB/s. Inter-node: one 400 Gb/s NDR
-# InfiniBand NIC per GPU = 50 GB/s, about 40 GB/s achieved. NCCL's base latency is ~10-20 us per
-# collective; its tuning model (src/graph/tuning.cc, hwLat) charges ~0.5-3.4 us per NVLink ring step.
-# Fractions: large bf16 GEMMs reach ~75-80% of peak (cuBLAS); streaming copies ~90% of HBM.
-_H100 = Hardware(
-    name="h100",
-    peak_flops_bf16=989e12,
-    peak_flops_fp32=67e12,
-    matmul_fraction=0.75,
-    memory_bandwidth=3.35e12,
-    memory_fraction=0.9,
-    intra_node_busbw=360e9,
-    inter_node_busbw=40e9,
-    ranks_per_node=8,
-    collective_latency=15e-6,
-    hop_latency=1e-6,
-)
-
-# H200 SXM (NVIDIA H200 datasheet): the H100's GH100 compute (989 / 67 TFLOP/s) with 4.8 TB/s HBM3e,
-# same NVLink4 and networking. Measured on this workplace's H200: a bf16 matmul on random data runs at
-# ~790 TFLOP/s (790 / 989 = 0.80), a device-to-device copy at ~4.3 TB/s read+write (4.3 / 4.8 = 0.9).
-_H200 = dataclasses.replace(
-    _H100, name="h200", memory_bandwidth=4.8e12, matmul_fraction=0.8, memory_fraction=0.9,
-)
-
-# A 2-core x86 CPU running gloo over loopback (rough, for the CI machine): AVX2 FMA peaks near
-# 100 GFLOP/s fp32 for 2 cores, MKL/oneDNN GEMMs reach ~30% of it under load (a few tens of GFLOP/s);
-# bf16 has no native units there, so it is slower; ~10 GB/s achieved memory bandwidth; gloo ring
-# collectives move ~1-2 GB/s through loopback TCP, with ~50 us per collective and ~10 us per step.
-# All ranks share one host: ranks_per_node is large and both bandwidths are the loopback one.
-_CPU = Hardware(
-    name="cpu",
-    peak_flops_bf16=50e9,
-    peak_flops_fp32=100e9,
-    matmul_fraction=0.3,
-    memory_bandwidth=20e9,
-    memory_fraction=0.5,
-    intra_node_busbw=1.5e9,
-    inter_node_busbw=1.5e9,
-    ranks_per_node=64,
-    collective_latency=50e-6,
-    hop_latency=10e-6,
-)
-
-HARDWARE: dict[str, Hardware] = {"h100": _H100, "h200": _H200, "cpu": _CPU}
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware))
-
-
-def load_hardware(name: str | Hardware = "h200", calibration: str | Path | Mapping[str, Any] | None = None) -> Hardware:
-    """A preset (or ``name`` itself, if a ``Hardware``) with measured numbers from ``calibration``.
-
-    ``calibration`` is a JSON file or a dict holding any subset of ``Hardware``'s fields;
-    ``op_fraction`` may be a dict ``{"mm": 0.6}``. Unknown fields raise ``ValueError``.
-    """
-    if isinstance(name, Hardware):
-        base = name
-    elif name in HARDWARE:
-        base = HARDWARE[name]
-    else:
-        raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(sorted(HARDWARE))}")
-    if calibration is None:
-        return base
-    values = calibration if isinstance(calibration, Mapping) else json.loads(Path(calibration).read_text())
-    unknown = sorted(set(values) - set(_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown calibration field(s) {unknown}; valid fields: {', '.join(_FIELDS)}")
-    kw = dict(values)
-    if "op_fraction" in kw:
-        kw["op_fraction"] = _op_fraction(kw["op_fraction"])
-    hw = dataclasses.replace(base, **kw)
-    _validate(hw)
-    return hw
-
-
-def write_calibration(hw: Hardware, path: str | Path) -> None:
-    """Write every field of ``hw`` as a calibration JSON that ``load_hardware`` reads back."""
-    data = dataclasses.asdict(hw)
-    data["op_fraction"] = dict(hw.op_fraction)
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _op_fraction(value: object) -> tuple[tuple[str, float], ...]:
-    items = value.items() if isinstance(value, Mapping) else value
-    return tuple(sorted((str(k), float(v)) for k, v in items))  # type: ignore[union-attr]
-
-
-def _validate(hw: Hardware) -> None:
-    for f in _FIELDS:
-        v = getattr(hw, f)
-        if f in ("name", "op_fraction"):
-            continue
-        if not isinstance(v, (int, float)) or v < 0 or (v == 0 and f not in ("hop_latency", "collective_latency")):
-            raise ValueError(f"hardware field {f} must be a positive number, got {v!r}")
-    for op, frac in [("matmul_fraction", hw.matmul_fraction), ("memory_fraction", hw.memory_fraction),
-                     *hw.op_fraction]:
-        if not 0 < frac <= 1:
-            raise ValueError(f"fraction for {op} must be in (0, 1], got {frac}")
 
 
 # --- collectives --------------------------------------------------------------------------------
@@ -201,8 +91,6 @@ def collective_seconds(kind: str, full_bytes: int, world: int, hw: Hardware) -> 
     busbw = hw.intra_node_busbw if world <= hw.ranks_per_node else hw.inter_node_busbw
     one = hw.collective_latency + (world - 2) * hw.hop_latency + (world - 1) / world * full_bytes / busbw
     return _KINDS[kind] * one
-
-
 
 
 def collective_bytes(launch: fx.Node) -> int:
@@ -239,12 +127,17 @@ ZERO_COST_OPS = frozenset({
     "view_as", "view_as_real", "view_as_complex", "getitem", "empty", "empty_like", "empty_strided",
     "sym_size", "sym_numel", "sym_stride",
 })
+MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+_ATTENTION_FORWARD = frozenset({
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+})
+ATTENTION_OPS = _ATTENTION_FORWARD | {f"{name}_backward" for name in _ATTENTION_FORWARD}
+_SEQ_DIM_1 = ("_flash_attention", "_efficient_attention")  # (batch, seq, heads, dim) layouts; the rest (b, h, s, d)
 
 _MATMUL_DTYPES_FAST = {torch.bfloat16, torch.float16, torch.int8,
                        *(getattr(torch, d) for d in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, d))}
 _flops_cache: dict[tuple[object, ...], int] = {}
-
-
 
 
 def _val(a: object) -> object:
@@ -266,8 +159,28 @@ def _sig(v: object) -> object:
         return repr(v)
 
 
+def _argument(node: fx.Node, name: str, default: object = None) -> object:
+    """The value of the schema argument ``name`` of an aten call, positional or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else default
+    return default
+
+
+def _is_causal(node: fx.Node) -> bool:
+    if _argument(node, "is_causal") is True:
+        return True
+    return _argument(node, "custom_mask_type") == 1  # _efficient_attention_*: 1 = causal from the top left
+
+
 def node_flops(node: fx.Node) -> int:
-    """FLOPs of ``node`` from ``torch.utils.flop_counter``'s formulas (0 for ops it has none for)."""
+    """FLOPs of ``node`` from ``torch.utils.flop_counter``'s formulas (0 for ops it has none for).
+
+    Causal attention counts the half of the score matrix it computes (the formulas count all of it).
+    """
     packet = getattr(node.target, "overloadpacket", node.target)
     formula = flop_registry.get(packet)
     if formula is None:
@@ -280,7 +193,10 @@ def node_flops(node: fx.Node) -> int:
             _flops_cache[key] = int(formula(*args, out_val=node.meta.get("val"), **kwargs))
         except Exception:  # a formula that wants what a fake value lacks: count memory only
             _flops_cache[key] = 0
-    return _flops_cache[key]
+    flops = _flops_cache[key]
+    if op_name(node) in ATTENTION_OPS and _is_causal(node):
+        flops //= 2
+    return flops
 
 
 def _tensors(v: object) -> list[torch.Tensor]:
@@ -301,37 +217,105 @@ def _bytes(v: object) -> int:
     return total
 
 
-def node_seconds(node: fx.Node, hw: Hardware) -> float:
-    """Estimated seconds of a compute node on ``hw``: ``max(flops / rate, bytes / bandwidth)``.
+# Ops that read rows of their first input picked by an index: they read as many bytes as they write.
+_GATHERS = frozenset({"embedding", "index", "index_select", "gather", "_unsafe_index"})
 
-    ``rate`` is the peak of the op's dtype (bf16/fp16, else fp32) times the matmul fraction; ``bytes``
-    counts tensor inputs and outputs once. Ops in ``ZERO_COST_OPS`` and non-call nodes cost 0, and so
-    do collective launches and waits (the timeline charges them to their streams).
+
+def read_bytes(node: fx.Node, inp: fx.Node) -> int:
+    """Bytes ``node`` reads of its input ``inp`` (all of it, except for gathers: the rows picked)."""
+    size = _bytes(inp.meta.get("val"))
+    if op_name(node) in _GATHERS and node.args and node.args[0] is inp:
+        return min(size, _bytes(node.meta.get("val")))
+    return size
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes a node moves alone: each distinct input read once, its output written once."""
+    return _bytes(node.meta.get("val")) + sum(read_bytes(node, i) for i in node.all_input_nodes)
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    return next((t.dtype for i in node.all_input_nodes for t in _tensors(i.meta.get("val"))), None)
+
+
+def _peak(node: fx.Node, hw: Hardware) -> float:
+    return hw.peak_flops_bf16 if _dtype(node) in _MATMUL_DTYPES_FAST else hw.peak_flops_fp32
+
+
+def _matmul_dims(node: fx.Node) -> tuple[int, int, int] | None:
+    """(m, n, k) of an ``mm``/``addmm``/``bmm``/``baddbmm``, a batch folded into m."""
+    name = op_name(node)
+    a, b = (node.args[1], node.args[2]) if name in ("addmm", "baddbmm") else (node.args[0], node.args[1])
+    va, vb = _val(a), _val(b)
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor) or va.dim() < 2:
+        return None
+    batch = int(va.shape[0]) if va.dim() == 3 else 1
+    return batch * int(va.shape[-2]), int(vb.shape[-1]), int(va.shape[-1])
+
+
+def matmul_efficiency(m: int, n: int, k: int, hw: Hardware, op: str = "mm") -> float:
+    """Share of peak a ``(m x k) @ (k x n)`` matmul reaches on ``hw`` (see ``Hardware``)."""
+    frac = hw.fraction_of(op, hw.matmul_fraction)
+    h, hk = hw.matmul_half_mn, hw.matmul_half_k
+    return frac * (m / (m + h)) * (n / (n + h)) * (k / (k + hk))
+
+
+def _attention_efficiency(node: fx.Node, hw: Hardware) -> float:
+    name = op_name(node)
+    default = hw.attention_backward_fraction if name.endswith("_backward") else hw.attention_fraction
+    frac = hw.fraction_of(name, default)
+    q = _val(_argument(node, "query"))
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not hw.attention_half_seq:
+        return frac
+    seq = int(q.shape[1] if name.startswith(_SEQ_DIM_1) else q.shape[2])
+    return frac * seq / (seq + hw.attention_half_seq)
+
+
+def node_seconds(node: fx.Node, hw: Hardware) -> float:
+    """Estimated seconds of a compute node alone on ``hw``: ``max(flops / rate, bytes / bandwidth)``,
+    at least ``kernel_latency``.
+
+    ``rate`` is the peak of the op's dtype (bf16/fp16, else fp32) times the op's efficiency (matmuls:
+    ``matmul_efficiency``; attention: its own fractions; other ops with FLOPs: ``matmul_fraction``);
+    ``bytes`` counts tensor inputs and outputs once. Ops in ``ZERO_COST_OPS`` and non-call nodes cost 0,
+    and so do collective launches and waits (the timeline charges them to their streams).
     """
     if node.op != "call_function" or is_collective(node) or is_wait(node):
         return 0.0
     name = op_name(node)
-    if name in ZERO_COST_OPS:
+    if name in ZERO_COST_OPS or not _tensors(node.meta.get("val")):  # a view, or arithmetic on sizes
         return 0.0
-    out = node.meta.get("val")
-    moved = _bytes(out) + sum(_bytes(i.meta.get("val")) for i in node.all_input_nodes)
-    mem_frac = hw.fraction_of(name, hw.memory_fraction)
-    seconds = moved / (hw.memory_bandwidth * mem_frac)
+    seconds = node_bytes(node) / (hw.memory_bandwidth * hw.fraction_of(name, hw.memory_fraction))
     flops = node_flops(node)
     if flops:
-        dtype = next((t.dtype for i in node.all_input_nodes for t in _tensors(i.meta.get("val"))), None)
-        peak = hw.peak_flops_bf16 if dtype in _MATMUL_DTYPES_FAST else hw.peak_flops_fp32
-        seconds = max(seconds, flops / (peak * hw.fraction_of(name, hw.matmul_fraction)))
-    return seconds
+        if name in MATMUL_OPS and (dims := _matmul_dims(node)) is not None:
+            eff = matmul_efficiency(*dims, hw, op=name)
+        elif name in ATTENTION_OPS:
+            eff = _attention_efficiency(node, hw)
+        else:
+            eff = hw.fraction_of(name, hw.matmul_fraction)
+        seconds = max(seconds, flops / (_peak(node, hw) * eff))
+    return max(seconds, hw.kernel_latency)
 
 
-def detect_hardware() -> Hardware:
-    """The preset for this process's device: an H100/H200 by CUDA device name, else the CPU preset."""
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().lower()
-        for key in ("h200", "h100"):
-            if key in name:
-                return HARDWARE[key]
-        return HARDWARE["h100"]
-    return HARDWARE["cpu"]
+# --- the optimizer step ---------------------------------------------------------------------------
 
+# Passes over one element of parameter-sized state that torch.optim's foreach implementation makes per
+# step (reads + writes, counted in torch/optim/adam.py and sgd.py, default settings): AdamW multiplies
+# params by 1 - lr*wd (2), lerps exp_avg (3), scales and addcmuls exp_avg_sq (2 + 4), takes its sqrt,
+# divides, adds eps (2 + 2 + 2) and addcdivs the params (4). Adam has no decay pass. SGD with momentum:
+# buf = momentum * buf + grad (2 + 3), params -= lr * buf (3).
+OPTIMIZER_PASSES: dict[str, int] = {"adamw": 21, "adam": 19, "sgd": 8}
+
+
+def optimizer_seconds(shards: Iterable[torch.Tensor | tuple[int, int]], hw: Hardware, optimizer: str = "adamw") -> float:
+    """One optimizer step over this rank's ``shards`` (tensors, or ``(numel, element_size)`` pairs),
+    its state in the params' dtype: memory-bound, ``OPTIMIZER_PASSES`` passes at ``foreach_fraction``
+    of the memory bandwidth."""
+    if optimizer not in OPTIMIZER_PASSES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_PASSES)} or None")
+    total = 0
+    for s in shards:
+        numel, size = (s.numel(), s.element_size()) if isinstance(s, torch.Tensor) else s
+        total += int(numel) * int(size)
+    return OPTIMIZER_PASSES[optimizer] * total / (hw.memory_bandwidth * hw.foreach_fraction)

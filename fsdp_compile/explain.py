@@ -2,18 +2,21 @@
 
 The model is built on the meta device (or taken as given), sharded as for a run at ``world_size``
 ranks on a *fake* process group, compiled with ``fsdp_backend`` (no Inductor) and run once forward and
-backward on meta tensors. The scheduled graphs that would reach Inductor are then simulated with the
-cost model (``cost.py``, ``timeline.py``) and written out: a text table per graph, a Chrome/Perfetto
-trace, a PNG timeline and a summary (estimated step time, exposed communication, peak bytes in flight).
+backward on meta tensors, attention traced as the GPU's fused kernel (``fused_attention.py``). The
+scheduled graphs that would reach Inductor are then simulated with the cost model (``cost.py``,
+``fusion.py``, ``timeline.py``), the optimizer step is added (``cost.optimizer_seconds``), and the
+result is written out: a text table per graph, a Chrome/Perfetto trace, a PNG timeline and a summary
+(estimated step time, exposed communication, peak bytes in flight).
 
 NOTE [periodic blocks]: the blocks of a built-in transformer are identical, so its schedule repeats
 block by block. Tracing 80 blocks costs minutes on a small CPU; ``explain`` traces ``trace_layers``
 and ``trace_layers - 1`` blocks and extends the totals linearly to the full depth (peaks in flight are
-those of the periodic middle). The tables, trace and picture show the traced depth.
+those of the periodic middle). The tables, trace and picture show the traced depth, and say so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,23 +25,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import Tensor, fx, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .backend import make_backend, observe_graphs
-from .cost import Hardware, load_hardware
+from .cost import OPTIMIZER_PASSES, optimizer_seconds
+from .fused_attention import FusedAttention
 from .groups import FsdpGroups
-from .models import PRESETS, ModelConfig, Transformer
+from .hardware import Hardware, load_hardware
+from .models import PRESETS, ModelConfig, Transformer, loss_fn
 from .schedule import group_labels
 from .sharding import fully_shard
-from .timeline import Timeline, chrome_trace, simulate, table, write_png
+from .timeline import Span, Timeline, chrome_trace, simulate, table, write_png
 
 __all__ = ["Explanation", "explain"]
 
 
 @dataclass
 class Explanation:
-    """What ``explain`` found: scheduled graphs, their timelines and tables, and a summary."""
+    """What ``explain`` found: scheduled graphs, their timelines and tables, and a summary.
+
+    ``timelines`` also holds ``"optimizer"`` (one span: the optimizer step) unless ``optimizer=None``.
+    """
 
     graphs: dict[str, fx.GraphModule]
     timelines: dict[str, Timeline]
@@ -51,14 +59,23 @@ class Explanation:
         return "\n\n".join([*parts, "== summary ==\n" + json.dumps(self.summary, indent=2)])
 
 
-def _graphs_for(
+@dataclass(frozen=True)
+class _Traced:
+    graphs: dict[str, fx.GraphModule]
+    labels: dict[str, str]
+    shards: list[tuple[int, int]]  # (numel, element size) of each trainable local shard: the optimizer's state
+
+
+def _trace(
     model: nn.Module,
-    example: torch.Tensor,
+    example: Tensor,
+    loss: Callable[[Any], Tensor],
     world_size: int,
     dedicated: str,
     backend_kw: Mapping[str, Any],
     blocks: Callable[[nn.Module], list[nn.Module]],
-) -> tuple[dict[str, fx.GraphModule], dict[str, str]]:
+    fused_attention: bool,
+) -> _Traced:
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -72,17 +89,17 @@ def _graphs_for(
         for block in blocks(model):
             fully_shard(block, groups=groups)
         fully_shard(model, groups=groups)
+        shards = [(p.numel(), p.element_size()) for p in model.parameters() if p.requires_grad]
         backend = make_backend(inductor=False, check_agreement=False, **backend_kw)  # hardware: see explain()
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=backend)
-        with observe_graphs() as seen:
-            out = compiled(example)
-            out = out[0] if isinstance(out, (tuple, list)) else out
+        with observe_graphs() as seen, (FusedAttention() if fused_attention else contextlib.nullcontext()):
+            out = loss(compiled(example))
             if out.requires_grad:
-                out.float().sum().backward()
+                out.backward()
         labels = group_labels(groups)
         groups.destroy()
-        return dict(seen), labels
+        return _Traced(dict(seen), labels, shards)
     finally:
         if owned:
             dist.destroy_process_group()
@@ -93,10 +110,22 @@ def _default_blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers) if isinstance(layers, nn.ModuleList) else []
 
 
-def _preset_model(cfg: ModelConfig, dtype: torch.dtype, batch: int, seq: int) -> tuple[nn.Module, torch.Tensor]:
+def _sum_loss(out: Any) -> Tensor:
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.float().sum()
+
+
+def _preset(cfg: ModelConfig, dtype: torch.dtype, batch: int, seq: int) -> tuple[nn.Module, Tensor, Callable[[Any], Tensor]]:
+    """A preset transformer on the meta device, its input, and its next-token loss."""
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
-    return model, torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, tokens, lambda logits: loss_fn(logits, tokens)
+
+
+def _optimizer_timeline(seconds: float, optimizer: str, params: int) -> Timeline:
+    span = Span(f"{optimizer}.step ({params / 1e6:.1f}M params)", optimizer, "compute", None, "", 0, 0.0, seconds)
+    return Timeline(spans=(span,), step_seconds=seconds, compute_seconds=seconds, exposed_comm_seconds=0.0)
 
 
 def _summarize(timelines: Mapping[str, Timeline], hw: Hardware) -> dict[str, Any]:
@@ -107,15 +136,25 @@ def _summarize(timelines: Mapping[str, Timeline], hw: Hardware) -> dict[str, Any
     for t in timelines.values():
         for kind, b in t.in_flight.items():
             peaks[kind] = max(peaks.get(kind, 0), b)
+    opt = timelines.get("optimizer")
     return {
         "hardware": hw.name,
         "step_ms": 1e3 * step,
         "compute_ms": 1e3 * compute,
+        "optimizer_ms": 1e3 * opt.step_seconds if opt is not None else 0.0,
         "exposed_comm_ms": 1e3 * exposed,
         "exposed_comm_pct": 100.0 * exposed / step if step else 0.0,
         "peak_bytes_in_flight": peaks,
         "per_graph": {k: t.summary() for k, t in timelines.items()},
     }
+
+
+def _timelines(traced: _Traced, hw: Hardware, optimizer: str | None) -> dict[str, Timeline]:
+    timelines = {kind: simulate(gm, hw, traced.labels) for kind, gm in traced.graphs.items()}
+    if optimizer is not None and "backward" in traced.graphs:
+        seconds = optimizer_seconds(traced.shards, hw, optimizer)
+        timelines["optimizer"] = _optimizer_timeline(seconds, optimizer, sum(n for n, _ in traced.shards))
+    return timelines
 
 
 def explain(
@@ -127,33 +166,44 @@ def explain(
     batch: int = 1,
     seq: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    example_input: torch.Tensor | None = None,
+    example_input: Tensor | None = None,
+    loss: Callable[[Any], Tensor] | None = None,
     blocks: Callable[[nn.Module], list[nn.Module]] = _default_blocks,
     dedicated: str = "reduce_scatter",
+    optimizer: str | None = "adamw",
+    fused_attention: bool | None = None,
     trace_layers: int | None = 4,
     out_dir: str | Path | None = None,
     **backend_kw: Any,
 ) -> Explanation:
-    """Schedule ``model`` for ``world_size`` ranks and predict its cost on ``hardware``; no GPU needed.
+    """Schedule ``model`` for ``world_size`` ranks and predict its training step on ``hardware``; no GPU needed.
 
     ``model``: a preset name (``"tiny"``, ``"demo"``, ``"llama3-8b"``, ``"llama3-70b"``), a
-    ``ModelConfig``, or an unsharded ``nn.Module`` (then give ``example_input``; ``blocks(model)`` lists
-    the modules sharded before the root, by default ``model.layers``). Presets are built on the meta
-    device in ``dtype`` with input ``(batch, seq)``. ``hardware``: a preset of ``cost.HARDWARE``;
-    ``calibration``: measured numbers overriding it. ``trace_layers``: see NOTE [periodic blocks]
-    (``None`` traces every block). Other keyword arguments go to ``make_backend`` (``schedule``,
-    ``prefetch``, ``prefetch_bytes``, ``reduce_scatter_bytes``). With ``out_dir``, writes
-    ``<graph>.txt``, ``trace.json``, ``timeline.png`` and ``summary.json`` there.
+    ``ModelConfig``, or an unsharded ``nn.Module`` (then give ``example_input``, and ``loss``, a function
+    of the output, if ``output.float().sum()`` is not the loss; ``blocks(model)`` lists the modules
+    sharded before the root, by default ``model.layers``). Presets are built on the meta device in
+    ``dtype`` with ``batch`` sequences of ``seq`` tokens per rank and a next-token cross-entropy loss.
+    ``hardware``: a preset of ``cost.HARDWARE``; ``calibration``: measured numbers overriding it.
+    ``optimizer``: the step after backward, costed over this rank's shards (``"adamw"``, ``"adam"``,
+    ``"sgd"``: torch.optim's default foreach implementations; ``None``: forward and backward only).
+    ``fused_attention``: trace SDPA as the GPU's fused kernel (default: unless ``hardware`` is the CPU).
+    ``trace_layers``: see NOTE [periodic blocks] (``None`` traces every block). Other keyword arguments
+    go to ``make_backend`` (``schedule``, ``prefetch``, ``prefetch_bytes``, ``reduce_scatter_bytes``).
+    With ``out_dir``, writes ``<graph>.txt``, ``trace.json``, ``timeline.png`` and ``summary.json`` there.
     """
     hw = load_hardware(hardware, calibration)
+    if optimizer is not None and optimizer not in OPTIMIZER_PASSES:
+        raise ValueError(f"explain: unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_PASSES)} or None")
     if isinstance(hardware, str):  # "auto" settings use the same cost model
         backend_kw = {"hardware": hardware, "calibration": calibration if isinstance(calibration, (str, Path)) else None,
                       **backend_kw}
+    fused = hw.name != "cpu" if fused_attention is None else fused_attention
     if isinstance(model, str):
         if model not in PRESETS:
             raise ValueError(f"explain: unknown model preset {model!r}; use one of {sorted(PRESETS)} or pass a module")
         model = PRESETS[model]
     extrapolate: tuple[int, int] | None = None
+    traced_layers: int | None = None
     if isinstance(model, ModelConfig):
         cfg = model
         seq = seq or cfg.max_seq_len
@@ -161,38 +211,44 @@ def explain(
         if trace_layers is not None and depth > trace_layers >= 2:
             extrapolate = (trace_layers, depth)
             depth = trace_layers
-        built, example = _preset_model(cfg.with_(n_layers=depth, max_seq_len=max(seq, cfg.max_seq_len)),
-                                       dtype, batch, seq)
-        graphs, labels = _graphs_for(built, example, world_size, dedicated, backend_kw, blocks)
+        traced_layers = depth
+
+        def build(layers: int) -> _Traced:
+            built, tokens, preset_loss = _preset(cfg.with_(n_layers=layers, max_seq_len=max(seq, cfg.max_seq_len)),
+                                                 dtype, batch, seq)  # type: ignore[arg-type]
+            return _trace(built, tokens, loss or preset_loss, world_size, dedicated, backend_kw, blocks, fused)
+
+        traced = build(depth)
     elif isinstance(model, nn.Module):
         if example_input is None:
             raise TypeError("explain: pass example_input=... (a tensor the module takes) with a module")
-        graphs, labels = _graphs_for(model, example_input, world_size, dedicated, backend_kw, blocks)
+        traced = _trace(model, example_input, loss or _sum_loss, world_size, dedicated, backend_kw, blocks, fused)
     else:
         raise TypeError(f"explain: model must be a preset name, a ModelConfig or an nn.Module, not {type(model).__name__}")
 
-    timelines = {kind: simulate(gm, hw) for kind, gm in graphs.items()}
+    timelines = _timelines(traced, hw, optimizer)
     summary = _summarize(timelines, hw)
-    summary.update(world_size=world_size, traced_layers=depth if isinstance(model, ModelConfig) else None)
+    summary.update(world_size=world_size, traced_layers=traced_layers, optimizer=optimizer,
+                   attention="fused" if fused else "as traced")
+    note = ""
     if extrapolate is not None:
         k, n = extrapolate
-        shallower, _ = _graphs_for(*_preset_model(cfg.with_(n_layers=k - 1, max_seq_len=max(seq, cfg.max_seq_len)),
-                                                  dtype, batch, seq),
-                                   world_size, dedicated, backend_kw, blocks)
-        base = _summarize({kind: simulate(gm, hw) for kind, gm in shallower.items()}, hw)
-        for key in ("step_ms", "compute_ms", "exposed_comm_ms"):
+        base = _summarize(_timelines(build(k - 1), hw, optimizer), hw)
+        for key in ("step_ms", "compute_ms", "optimizer_ms", "exposed_comm_ms"):
             summary[key] = summary[key] + (n - k) * (summary[key] - base[key])
         summary["exposed_comm_pct"] = 100.0 * summary["exposed_comm_ms"] / summary["step_ms"] if summary["step_ms"] else 0.0
         summary["layers"] = n
         summary["extrapolated_from_layers"] = [k - 1, k]
-    tables = {kind: table(gm, timelines[kind], labels) for kind, gm in graphs.items()}
-    result = Explanation(graphs, timelines, tables, summary)
+        note = (f"# {k} of the model's {n} identical blocks traced; times here are theirs. "
+                f"summary.json extends the totals to {n} blocks ({summary['step_ms']:.1f} ms a step).\n")
+    tables = {kind: note + table(gm, timelines[kind], traced.labels) for kind, gm in traced.graphs.items()}
+    result = Explanation(traced.graphs, timelines, tables, summary)
     if out_dir is not None:
-        result.files = _write(result, Path(out_dir))
+        result.files = _write(result, Path(out_dir), note.lstrip("# ").rstrip())
     return result
 
 
-def _write(result: Explanation, out: Path) -> list[Path]:
+def _write(result: Explanation, out: Path, note: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     files = []
     for kind, text in result.tables.items():
@@ -206,7 +262,7 @@ def _write(result: Explanation, out: Path) -> list[Path]:
     files += [trace, summary]
     try:
         png = out / "timeline.png"
-        write_png(result.timelines, png)
+        write_png(result.timelines, png, title=note)
         files.append(png)
     except RuntimeError as e:  # matplotlib missing: the rest is still useful
         print(f"explain: no PNG ({e})")

@@ -1,30 +1,54 @@
-"""Schedules in logs: ``TORCH_LOGS=fsdp_schedule`` and tlparse (structured trace) entries."""
+"""Schedules in logs: ``TORCH_LOGS=fsdp_schedule`` and tlparse (structured trace) entries.
+
+The text log comes from rank 0 alone by default (every rank compiles the same schedule: the agreement
+check makes sure of it); ``FSDP_COMPILE_LOG_RANKS=all`` (or a list, ``0,3``) logs from other ranks
+too. The structured trace is written on every rank, as tlparse reads one file per rank.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch._logging
+import torch.distributed as dist
 
 import fsdp_compile_torch_logs
 
 from ._compat import getArtifactLogger
 
-__all__ = ["log_schedule"]
+__all__ = ["log_schedule", "LOG_RANKS_ENV", "logs_on_rank"]
+
+LOG_RANKS_ENV = "FSDP_COMPILE_LOG_RANKS"
 
 fsdp_compile_torch_logs.register()  # again, in case torch was imported without the entry point
 # A child of the "torch" logger, so that the handlers TORCH_LOGS configures print it.
 _log = getArtifactLogger("torch.fsdp_compile", fsdp_compile_torch_logs.ARTIFACT)
 
 
+def logs_on_rank(rank: int, setting: str | None) -> bool:
+    """Whether ``rank`` logs schedules under ``setting`` (the value of ``FSDP_COMPILE_LOG_RANKS``):
+    ``None`` or empty: rank 0; ``all``: every rank; else a comma-separated list of ranks."""
+    if not setting:
+        return rank == 0
+    if setting.strip().lower() == "all":
+        return True
+    try:
+        return rank in {int(r) for r in setting.split(",") if r.strip()}
+    except ValueError:
+        raise ValueError(f"{LOG_RANKS_ENV}={setting!r}: use 'all' or comma-separated ranks such as '0,3'") from None
+
+
 def log_schedule(kind: str, text_fn: Callable[[], str]) -> None:
-    """Log a compiled graph's schedule table to the artifact logger and to the structured trace.
+    """Log a compiled graph's schedule table to the artifact logger (on the ranks of ``logs_on_rank``)
+    and to the structured trace (every rank).
 
     ``text_fn`` is called only when one of them is enabled.
     """
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("fsdp-compile %s schedule:\n%s", kind, text_fn())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if _log.isEnabledFor(logging.DEBUG) and logs_on_rank(rank, os.environ.get(LOG_RANKS_ENV)):
+        _log.debug("fsdp-compile %s schedule (rank %d):\n%s", kind, rank, text_fn())
     torch._logging.trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": f"fsdp_schedule_{kind}", "encoding": "string"},

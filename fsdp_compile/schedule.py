@@ -21,7 +21,7 @@ from torch import fx
 from passes.predicates import collective_kind, fsdp_meta, is_collective, is_wait, op_name, tensor_bytes, waited_collective
 from passes.regions import Region, regions
 
-__all__ = ["Row", "rows", "listing", "in_flight_peaks", "group_labels"]
+__all__ = ["Row", "rows", "listing", "in_flight_peaks", "group_labels", "graph_group_labels"]
 
 # Ops that move or relabel data rather than compute: counted in a compute run, not named.
 _QUIET = {
@@ -163,7 +163,8 @@ def in_flight_peaks(gm: fx.GraphModule) -> dict[str, int]:
 
 
 def group_labels(groups: object) -> dict[str, str]:
-    """Labels for an ``FsdpGroups``: ``ag`` and ``rs``, or ``ag+rs`` when they share a communicator."""
+    """Labels for an ``FsdpGroups``: ``ag`` and ``rs``, or ``ag+rs`` when they share a communicator
+    (and ``rep`` for HSDP's replicate group). ``graph_group_labels`` reads the same from a graph."""
     ag = groups.all_gather.group_name  # type: ignore[attr-defined]
     rs = groups.reduce_scatter.group_name  # type: ignore[attr-defined]
     labels = {ag: "ag", rs: "rs"} if ag != rs else {ag: "ag+rs"}
@@ -172,3 +173,22 @@ def group_labels(groups: object) -> dict[str, str]:
         labels[replicate.group_name] = "rep"
     return labels
 
+
+
+def graph_group_labels(gm: fx.GraphModule) -> dict[str, str]:
+    """The labels of ``group_labels`` for the groups ``gm``'s collectives run on, read from the group
+    names their markers recorded (``meta["fsdp"]``: ``ag_group``, ``rs_group``, ``replicate_group``), so
+    that logs, dumps, ``explain`` and traces name groups alike without the ``FsdpGroups`` object."""
+    labels: dict[str, str] = {}
+    for n in gm.graph.nodes:
+        if not is_collective(n):
+            continue
+        meta = fsdp_meta(n)
+        ag, rs, rep = meta.get("ag_group"), meta.get("rs_group"), meta.get("replicate_group")
+        if ag is not None:
+            labels[str(ag)] = "ag+rs" if ag == rs else "ag"
+        if rs is not None and rs != ag:
+            labels[str(rs)] = "rs"
+        if rep is not None and rep not in (ag, rs):
+            labels[str(rep)] = "rep"
+    return labels

@@ -22,8 +22,10 @@ from torch import fx
 
 from passes.predicates import collective_kind, is_collective, is_wait, op_name, waited_collective
 
-from .cost import Hardware, collective_bytes, launch_seconds, node_seconds
-from .schedule import in_flight_peaks, rows
+from .cost import collective_bytes, launch_seconds
+from .fusion import graph_seconds
+from .hardware import Hardware
+from .schedule import Row, graph_group_labels, in_flight_peaks, rows
 
 __all__ = ["Span", "Timeline", "simulate", "table", "chrome_trace", "write_png"]
 
@@ -87,8 +89,37 @@ def _fsdp(node: fx.Node) -> Mapping[str, object]:
     return node.meta.get("fsdp") or {}
 
 
-def simulate(gm: fx.GraphModule, hw: Hardware) -> Timeline:
-    """Walk ``gm`` in graph order and time every call node on ``hw`` (see module doc)."""
+def _beside_collectives(now: float, work: float, in_flight: list[tuple[float, float]], slowdown: float) -> float:
+    """How long ``work`` seconds of compute from ``now`` take when it runs ``1 + slowdown`` times slower
+    while any collective of ``in_flight`` runs (NCCL's kernels hold SMs and memory bandwidth)."""
+    if not slowdown or not work or not in_flight:
+        return work
+    t, left = now, work
+    for start, end in sorted(in_flight):
+        if end <= t:
+            continue
+        if start > t:  # compute alone until the next collective starts
+            if t + left <= start:
+                return t + left - now
+            left -= start - t
+            t = start
+        span = (end - t) / (1 + slowdown)  # work done beside this collective (and any it overlaps)
+        if left <= span:
+            return t + left * (1 + slowdown) - now
+        left -= span
+        t = end
+    return t + left - now
+
+
+def simulate(gm: fx.GraphModule, hw: Hardware, groups: Mapping[str, str] | None = None) -> Timeline:
+    """Walk ``gm`` in graph order and time every call node on ``hw`` (see module doc).
+
+    Spans name their process group by label (``ag``, ``rs``, ``ag+rs``, ``rep``: ``groups``, by default
+    ``schedule.graph_group_labels(gm)``), as the tables do.
+    """
+    labels = graph_group_labels(gm) if groups is None else dict(groups)
+    costs = graph_seconds(gm, hw)
+    in_flight: list[tuple[float, float]] = []  # collectives' (start, end), for hw.overlap_slowdown
     now = 0.0  # the compute stream's clock
     free: dict[str, float] = {}  # each collective stream's free time
     busy: dict[str, float] = {}
@@ -105,17 +136,21 @@ def simulate(gm: fx.GraphModule, hw: Hardware) -> Timeline:
             start = max(now, free.get(stream, 0.0))
             dur = launch_seconds(n, hw)
             ends[n] = free[stream] = start + dur
+            in_flight.append((start, start + dur))
             busy[stream] = busy.get(stream, 0.0) + dur
-            spans.append(Span(n.name, kind, stream, meta.get("unit"), str(n.args[-1]), collective_bytes(n),
+            group = str(n.args[-1])
+            spans.append(Span(n.name, kind, stream, meta.get("unit"), labels.get(group, group), collective_bytes(n),
                               start, start + dur))
         elif is_wait(n):
             launch = waited_collective(n)
             start, now = now, max(now, ends.get(launch, now))
             exposed += now - start
-            spans.append(Span(n.name, "wait", "compute", _fsdp(launch).get("unit"), str(launch.args[-1]), 0,
+            group = str(launch.args[-1])
+            spans.append(Span(n.name, "wait", "compute", _fsdp(launch).get("unit"), labels.get(group, group), 0,
                               start, now))
         else:
-            dur = node_seconds(n, hw)
+            in_flight = [iv for iv in in_flight if iv[1] > now]
+            dur = _beside_collectives(now, costs.get(n, 0.0), in_flight, hw.overlap_slowdown)
             spans.append(Span(n.name, op_name(n), "compute", meta.get("unit"), "", 0, now, now + dur))
             now += dur
             compute += dur
@@ -135,28 +170,56 @@ _HEADER = ("order", "node", "unit", "collective", "group", "stream", "bytes", "e
 _RIGHT = {0, 6, 7, 8}  # right-aligned columns
 
 
-def _describe(r: object, max_len: int = 40) -> str:
+def _describe(r: Row, max_len: int = 40) -> str:
     """A row's node column: a launch's or wait's node name, else what the run does and its size."""
-    nodes = r.nodes  # type: ignore[attr-defined]
-    if r.op not in ("compute", "pack", "unpack"):  # type: ignore[attr-defined]
+    nodes = r.nodes
+    if r.op not in ("compute", "pack", "unpack"):
         return nodes[0].name
-    what = (r.detail if r.op == "compute" else r.op) or "views"  # type: ignore[attr-defined]
+    what = (r.detail if r.op == "compute" else r.op) or "views"
     if len(what) > max_len:
         what = what[: max_len - 3] + "..."
     return f"{what} ({len(nodes)} node{'s' if len(nodes) > 1 else ''})"
+
+
+def _units(units: list[object]) -> str:
+    """``0-3`` for consecutive integer units, else the distinct units comma-separated."""
+    distinct = sorted({u for u in units if u is not None}, key=str)
+    if distinct and all(isinstance(u, int) for u in distinct) and distinct == list(
+            range(int(distinct[0]), int(distinct[-1]) + 1)) and len(distinct) > 2:  # type: ignore[call-overload]
+        return f"{distinct[0]}-{distinct[-1]}"
+    return ",".join(str(u) for u in distinct)
+
+
+def _runs(all_rows: list[Row], min_run: int = 3) -> list[list[Row]]:
+    """Rows in order, where ``min_run`` or more consecutive ``pack`` (or ``unpack``) rows of one
+    collective kind and different units come as one run (the copies out of several units' buffers that
+    the partitioner leaves at the end of a backward); every other row alone."""
+    out: list[list[Row]] = []
+    for r in all_rows:
+        prev = out[-1] if out else None
+        if (prev and r.op in ("pack", "unpack") and prev[0].op == r.op
+                and _fsdp(prev[0].nodes[0]).get("kind") == _fsdp(r.nodes[0]).get("kind")):
+            prev.append(r)
+        else:
+            out.append([r])
+    return [piece for run in out for piece in ([run] if len(run) >= min_run else [[r] for r in run])]
 
 
 def table(gm: fx.GraphModule, timeline: Timeline, groups: Mapping[str, str] | None = None) -> str:
     """The schedule of ``gm`` (one line per launch, wait, and run of compute or copies, as in
     ``fsdp_compile.schedule.rows``) with estimated start and end times in microseconds.
 
-    ``groups`` maps process-group names to stable labels (see ``schedule.group_labels``).
+    ``groups`` maps process-group names to labels (default: ``schedule.graph_group_labels(gm)``:
+    ``ag``, ``rs``, ``ag+rs``, ``rep``). Three or more consecutive pack (or unpack) rows of different
+    units are one line, e.g. ``unpack x36 (36 nodes)`` for units ``0-3``.
     """
-    labels = dict(groups or {})
+    labels = graph_group_labels(gm) if groups is None else dict(groups)
     by_name = {s.name: s for s in timeline.spans}
     lines = [_HEADER]
-    for i, r in enumerate(rows(gm)):
-        spans = [by_name[n.name] for n in r.nodes if n.name in by_name]
+    for i, run in enumerate(_runs(rows(gm))):
+        r = run[0]
+        nodes = [n for row in run for n in row.nodes]
+        spans = [by_name[n.name] for n in nodes if n.name in by_name]
         first = r.nodes[0]
         if r.op == "compute":
             kind = ""
@@ -166,9 +229,13 @@ def table(gm: fx.GraphModule, timeline: Timeline, groups: Mapping[str, str] | No
             kind = str(_fsdp(first).get("kind", ""))
         else:
             kind = r.op
+        if len(run) > 1:
+            node, unit = f"{r.op} x{len(run)} ({len(nodes)} nodes)", _units([row.unit for row in run])
+        else:
+            node, unit = _describe(r), "" if r.unit is None else str(r.unit)
         lines.append((
-            str(i), _describe(r), "" if r.unit is None else str(r.unit), kind, labels.get(r.group, r.group),
-            spans[0].stream if spans else "", str(r.bytes) if r.bytes else "",
+            str(i), node, unit, kind, labels.get(r.group, r.group),
+            spans[0].stream if spans else "", str(r.bytes) if r.bytes and len(run) == 1 else "",
             f"{min(s.start for s in spans) * 1e6:.3f}" if spans else "",
             f"{max(s.end for s in spans) * 1e6:.3f}" if spans else "",
         ))
@@ -227,14 +294,16 @@ def _bars(spans: list[Span]) -> list[tuple[str, float, float]]:
     return out
 
 
-def write_png(timelines: Mapping[str, Timeline], path: str | Path) -> None:
-    """Draw each graph's streams as rows of bars coloured by kind (needs matplotlib: the ``plot`` extra)."""
+def write_png(timelines: Mapping[str, Timeline], path: str | Path, title: str = "") -> None:
+    """Draw each graph's streams as rows of bars coloured by kind, ``title`` above (needs matplotlib,
+    which ``pip install 'fsdp-compile[plot]'`` installs)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as e:
-        raise RuntimeError("write_png needs matplotlib: pip install matplotlib (or the 'plot' extra)") from e
+        raise RuntimeError("write_png needs matplotlib: pip install matplotlib, or install this package "
+                           "with pip install -e '.[plot]'") from e
     lanes = [(f"{graph}: {stream}", [s for s in tl.spans if s.stream == stream])
              for graph, tl in timelines.items() for stream in tl.streams()]
     longest = max([tl.step_seconds for tl in timelines.values()] + [1e-12])
@@ -251,5 +320,7 @@ def write_png(timelines: Mapping[str, Timeline], path: str | Path) -> None:
     ax.set_xlim(0, longest * scale * 1.02)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="lower center",
               bbox_to_anchor=(0.5, 1.0), ncol=len(_COLORS), fontsize="small", frameon=False)
+    if title:
+        ax.set_title(title, fontsize="small", pad=24)
     fig.tight_layout()
     fig.savefig(str(path), dpi=100, bbox_inches="tight")

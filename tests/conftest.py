@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -7,6 +8,8 @@ import pytest
 from fsdp_compile import FsdpGroups
 
 from . import graph_utils
+
+SLOW_TEST_S = 5.0  # in quiet mode, a test that takes longer gets a line: the suite's progress
 
 
 @pytest.fixture
@@ -21,3 +24,38 @@ def groups(fake_world: int) -> Iterator[FsdpGroups]:
     g = FsdpGroups.create()
     yield g
     g.destroy()
+
+
+class _Progress:
+    """``pytest -q`` prints a dot per test; the multi-process tests take tens of seconds each, so a row
+    of dots can sit still for minutes. After each test over ``SLOW_TEST_S`` (set-up included: that is
+    where a shared spawn runs), print its time, the count done and the time so far."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.total = 0
+        self.done = 0
+        self.suite_start = time.perf_counter()
+        self.test_start = self.suite_start
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.total = len(session.items)
+        self.suite_start = time.perf_counter()
+
+    def pytest_runtest_logstart(self, nodeid: str, location: object) -> None:
+        self.test_start = time.perf_counter()
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: object) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if now - self.test_start < SLOW_TEST_S:
+            return
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"  [{self.done}/{self.total}, {now - self.suite_start:.0f} s] {nodeid}: "
+                                f"{now - self.test_start:.0f} s")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.verbose <= 0:  # -v already prints a line per test
+        config.pluginmanager.register(_Progress(config), "fsdp_compile_progress")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -18,9 +17,6 @@ from benchmarks import step_time as st
 from benchmarks.models import (DEFAULT_VARIANTS, PRESETS, VARIANTS, ModelSpec, RssSampler, SharedGroups, build_variant, loss_of,
                                make_batch, own_forward, peak_flops_for, read_rss_bytes, run_delay_s, train_flops,
                                unavailable_reason)
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 # --- options and presets -----------------------------------------------------------------------------
 
@@ -276,15 +272,14 @@ def test_rss_sampler_without_proc(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_end_to_end_two_gloo_ranks(tmp_path: Path) -> None:
+def test_end_to_end_two_gloo_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command line, in this process (its 2 ranks are spawned): JSON and table for two variants."""
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "benchmarks.step_time", "--device", "cpu", "--model", "llama", "--dim", "32",
-           "--layers", "2", "--heads", "4", "--vocab", "64", "--seq", "16", "--batch", "2", "--ranks", "2",
-           "--variants", "fsdp-compile,fsdp2-eager,simplefsdp,megatron-fsdp", "--rounds", "1", "--steps", "1",
-           "--warmup", "1",
-           "--json", str(out), "--no-png", "--timeout", "900"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1000)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    argv = ["--device", "cpu", "--model", "llama", "--dim", "32", "--layers", "2", "--heads", "4", "--vocab", "64",
+            "--seq", "16", "--batch", "2", "--ranks", "2", "--variants", "fsdp-compile,fsdp2-eager,simplefsdp,megatron-fsdp",
+            "--rounds", "1", "--steps", "1", "--warmup", "1", "--json", str(out), "--no-png", "--timeout", "900"]
+    assert st.main(argv) == 0
+    stdout = capsys.readouterr().out
     data = json.loads(out.read_text())
     by_name = {v["name"]: v for v in data["variants"]}
     assert set(by_name) == {"fsdp-compile", "fsdp2-eager", "simplefsdp", "megatron-fsdp"}
@@ -292,8 +287,8 @@ def test_end_to_end_two_gloo_ranks(tmp_path: Path) -> None:
     for peer in ("simplefsdp", "megatron-fsdp"):  # both need CUDA; the table says why
         reason = by_name.pop(peer)["reason"]
         assert reason and ("CUDA" in reason or "not installed" in reason), reason
-        assert f"* {peer}: not measured: " in proc.stdout
+        assert f"* {peer}: not measured: " in stdout
     for v in by_name.values():
         assert v["reason"] is None and v["median_ms"] > 0 and v["cold_s"] > 0
         assert len(v["ranks"]) == 2 and all(t > 0 for r in v["ranks"] for t in r["step_s"])
-    assert "| fsdp-compile |" in proc.stdout and "| fsdp2-eager |" in proc.stdout
+    assert "| fsdp-compile |" in stdout and "| fsdp2-eager |" in stdout

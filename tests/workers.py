@@ -332,3 +332,13 @@ class CountCollectives:
             self._prof.__exit__(*exc)
             names = [e.name for e in self._prof.events()]
             self.reduce_scatters = sum(1 for n in names if n == "_c10d_functional::reduce_scatter_tensor")
+
+
+def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
+    """``train_case`` for each of ``cases`` in turn, in one process per rank: one start-up (spawn,
+    imports) for several comparisons. Dynamo's caches are cleared between cases."""
+    results = []
+    for case in cases:
+        torch._dynamo.reset()
+        results.append(train_case(rank, world, case))
+    return results

@@ -3,7 +3,7 @@ checkpointing and graph breaks, each against a single-process reference doing th
 
 The 2-rank cases share one spawn (``workers.train_cases``: start-up is most of a case's time) and
 run the scheduled graphs without Inductor, except one mixed-precision case whose casts Inductor
-compiles and the graph-break case: what these tests check is the schedule, the partition and the
+compiles: what these tests check is the schedule, the partition and the
 casts, which the FX graphs run as they are; tests/test_numerics.py covers Inductor on every schedule.
 """
 
@@ -35,9 +35,7 @@ CASES: dict[str, Case] = {
     "no_sync": Case(steps=3, microbatches=3, no_sync=True, count_collectives=True, backend_kw=FX),
     "synced": Case(steps=3, microbatches=3, count_collectives=True, backend_kw=FX),
     "activation_checkpointing": Case(model="llama-ac", steps=4, backend_kw=FX),
-    # Inductor here: as FX graphs, the graph-broken model trips the cross-rank lockstep check (issue 13's
-    # report to the lead); compiled, it trains
-    "graph_breaks": Case(model="llama-break", steps=4),
+    "graph_breaks": Case(model="llama-break", steps=4, backend_kw=FX),
     **{f"mixed-{name}": Case(steps=4, shard_kw={"mp_policy": block}, root_kw=None if root is None else {"mp_policy": root},
                              backend_kw=kw)
        for name, (block, root, kw) in MIXED.items()},

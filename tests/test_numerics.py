@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fsdp_compile.launch import run_ranks
-from .workers import Case, train_case
+from .workers import Case, train_case, train_cases
 
 RTOL = 1e-5
 
@@ -32,61 +32,75 @@ def check(results: list[dict[str, Any]], *, steps: int, rtol: float = RTOL) -> N
                                        msg=lambda m, name=name: f"rank {rank}: grad of {name}\n{m}")
 
 
-@pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_llama_two_ranks(optim: str) -> None:
-    case = Case(optim=optim)
-    check(run_ranks(train_case, 2, case), steps=case.steps)
+FX = {"inductor": False}
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_llama_four_ranks(optim: str) -> None:
-    case = Case(optim=optim)
-    check(run_ranks(train_case, 4, case), steps=case.steps)
-
-
-def test_gradients_accumulate_across_calls() -> None:
-    case = Case(microbatches=2, steps=4)
-    check(run_ranks(train_case, 2, case), steps=case.steps)
-
-
-def test_uneven_frozen_buffers_shared_at_four_ranks() -> None:
-    """Vocabulary 1001 and width 10 over 4 ranks (padding), a frozen embedding, a buffer, a module
-    used twice and a param shared by two modules of one unit."""
-    case = Case(model="uneven", steps=6)
-    results = run_ranks(train_case, 4, case)
-    check(results, steps=case.steps)
-    assert "emb.weight" not in results[0]["grads0"]
-
-
-@pytest.mark.parametrize("run", ["eager", "inductor"])
-def test_slow_path_trains_correctly_and_warns_once(run: str) -> None:
-    case = Case(run=run, steps=3)
-    results = run_ranks(train_case, 2, case)
-    check(results, steps=case.steps)
-    for r in results:
-        slow = [w for w in r["warnings"] if "use torch.compile(model, backend=fsdp_backend)" in w.lower()]
-        assert len(slow) == 1, r["warnings"]
-
-
+# NOTE [schedules under Inductor]: every schedule runs here; those whose code Inductor could get wrong in
+# its own way (the default, the delayed one-communicator baseline, tiny caps, params alone) run under
+# Inductor, the rest as the scheduled FX graphs, which run the same collectives in the same order
+# (tests/test_inductor_order.py checks that Inductor keeps that order).
 SCHEDULES = {
     "default": ({}, {}),
     "delayed-one-communicator": ({"schedule": "delayed"}, {"dedicated": "none"}),
-    "dedicated-all-gather": ({}, {"dedicated": "all_gather"}),
-    "prefetch-0": ({"prefetch": 0}, {}),
-    "prefetch-2": ({"prefetch": 2}, {}),
+    "dedicated-all-gather": ({**FX}, {"dedicated": "all_gather"}),
+    "prefetch-0": ({"prefetch": 0, **FX}, {}),
+    "prefetch-2": ({"prefetch": 2, **FX}, {}),
     "tiny-caps": ({"prefetch": 2, "prefetch_bytes": 1, "reduce_scatter_bytes": 1}, {}),
-    "no-reduce-scatter-cap": ({"reduce_scatter_bytes": None}, {}),
+    "no-reduce-scatter-cap": ({"reduce_scatter_bytes": None, **FX}, {}),
     "params-alone": ({"bucket_alone_bytes": 1}, {}),  # NOTE [large params alone]: no buckets at all
-    "bucket-packed-apart": ({"inplace_gather": False}, {}),  # the all-gather bucket packed out of place
+    "bucket-packed-apart": ({"inplace_gather": False, **FX}, {}),  # the all-gather bucket packed out of place
+}
+
+TWO_RANKS: dict[str, Case] = {
+    "llama-sgd": Case(optim="sgd"),
+    "accumulate": Case(microbatches=2, steps=4, backend_kw=FX),
+    **{f"schedule-{name}": Case(optim="adamw", steps=5, backend_kw=kw, group_kw=gkw)
+       for name, (kw, gkw) in SCHEDULES.items()},
 }
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list[dict[str, Any]]]:
+    """Every case of ``TWO_RANKS`` in one spawn of 2 ranks (start-up is much of a case's time)."""
+    per_rank = run_ranks(train_cases, 2, list(TWO_RANKS.values()), timeout=1800)
+    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(TWO_RANKS)}
+
+
+def test_llama_two_ranks_sgd(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    check(two_ranks["llama-sgd"], steps=TWO_RANKS["llama-sgd"].steps)
+
+
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_every_schedule_matches_the_reference(name: str) -> None:
-    backend_kw, group_kw = SCHEDULES[name]
-    case = Case(optim="adamw", steps=5, backend_kw=backend_kw, group_kw=group_kw)
-    check(run_ranks(train_case, 2, case), steps=case.steps)
+def test_every_schedule_matches_the_reference(name: str, two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    """AdamW, 5 steps, each schedule (the default one is the two-rank Llama AdamW case)."""
+    check(two_ranks[f"schedule-{name}"], steps=5)
+
+
+def test_gradients_accumulate_across_calls(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    check(two_ranks["accumulate"], steps=4)
+
+
+@pytest.mark.slow
+def test_four_ranks_llama_and_uneven() -> None:
+    """Llama with SGD and AdamW at 4 ranks; and vocabulary 1001, width 10 over 4 ranks (padding), a
+    frozen embedding, a buffer, a module used twice and a param shared by two modules of one unit."""
+    cases = [Case(optim="sgd", backend_kw=FX), Case(optim="adamw"), Case(model="uneven", steps=6)]
+    sgd, adamw, uneven = zip(*run_ranks(train_cases, 4, cases, timeout=1800))
+    check(list(sgd), steps=cases[0].steps)
+    check(list(adamw), steps=cases[1].steps)
+    check(list(uneven), steps=cases[2].steps)
+    assert "emb.weight" not in uneven[0]["grads0"]
+
+
+def test_slow_path_trains_correctly_and_warns_once() -> None:
+    """Uncompiled, then compiled by plain Inductor, in one process: both train exactly, and the slow
+    path warns once per process."""
+    eager, inductor = zip(*run_ranks(train_cases, 2, [Case(run="eager", steps=3), Case(run="inductor", steps=3)]))
+    for results in (eager, inductor):
+        check(list(results), steps=3)
+    for rank_results in zip(eager, inductor):
+        warned = [w for r in rank_results for w in r["warnings"]
+                  if "use torch.compile(model, backend=fsdp_backend)" in w.lower()]
+        assert len(warned) == 1, warned
 
 
 def test_world_size_one_elides_collectives() -> None:

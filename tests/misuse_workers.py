@@ -276,3 +276,15 @@ def soak(rank: int, world: int, steps: int, sample_every: int) -> list[tuple[int
             samples.append((step + 1, _rss_bytes()))
     groups.destroy()
     return samples
+
+
+def trains_correctly(rank: int, world: int) -> dict[str, Any]:
+    """The cases that must train exactly, in one spawn (start-up is much of each case's time)."""
+    out = {}
+    for name, run in (("clip", lambda: clip_training(rank, world, 3, 0.05)),
+                      ("ragged", lambda: ragged_lengths(rank, world, {"inductor": False})),
+                      ("freeze", lambda: freeze_and_init_after_sharding(rank, world)),
+                      ("soak", lambda: soak(rank, world, 300, 10))):
+        torch._dynamo.reset()
+        out[name] = run()
+    return out

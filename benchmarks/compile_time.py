@@ -161,8 +161,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
         profile = cProfile.Profile()
         profile.enable()
+    from fsdp_compile.backend import observe_graphs
+
     t0, w0 = clock(), time.perf_counter()
-    loss_of(spec, forward, batch).backward()
+    with observe_graphs() as seen:
+        loss_of(spec, forward, batch).backward()
     if device == "cuda":
         torch.cuda.synchronize()
     total, wall = clock() - t0, time.perf_counter() - w0
@@ -170,18 +173,39 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         profile.disable()
         profile.dump_stats(args.profile)
     after = compile_time_metrics()
+    schedule = {kind: _collectives(gm) for kind, gm in seen}
     metrics = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
     graphs = int(counters["stats"]["unique_graphs"])
     for _ in range(2):  # later steps must not compile again
         loss_of(spec, forward, batch).backward()
     late = int(counters["stats"]["unique_graphs"]) - graphs
+    step_ms = []
+    for _ in range(args.steps):  # forward + backward only: the compiled code's speed, no optimizer
+        if device == "cuda":
+            torch.cuda.synchronize()
+        s0 = time.perf_counter()
+        loss_of(spec, forward, batch).backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        step_ms.append((time.perf_counter() - s0) * 1e3)
     dist.destroy_process_group()
     return {"variant": args.variant, "layers": args.layers, "total_s": total, "wall_s": wall, "clock": args.clock,
-            "stages": stages_from(metrics, total),
+            "stages": stages_from(metrics, total), "step_ms": step_ms, "schedule": schedule,
             "graphs": graphs, "late_graphs": late, "metrics": metrics}
 
 
 # --- the parent: rounds of children -------------------------------------------------------------------------
+
+
+def _collectives(gm: Any) -> dict[str, int]:
+    """How many all-gathers, reduce-scatters and subgraph calls a scheduled graph holds."""
+    import torch
+
+    from passes.predicates import is_all_gather, is_reduce_scatter
+
+    nodes = list(gm.graph.nodes)
+    return {"all_gather": sum(map(is_all_gather, nodes)), "reduce_scatter": sum(map(is_reduce_scatter, nodes)),
+            "invoke_subgraph": sum(n.target is torch.ops.higher_order.invoke_subgraph for n in nodes)}
 
 
 def _child_env(args: argparse.Namespace, cache_dir: str | None, caches_on: bool) -> dict[str, str]:
@@ -206,7 +230,7 @@ def _run_child(args: argparse.Namespace, variant: str, layers: int, env: dict[st
     cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", "--variant", variant, "--layers", str(layers),
            "--device", args.device, "--world", str(args.world), "--dim", str(args.dim), "--heads", str(args.heads),
            "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch), "--dtype", args.dtype,
-           "--clock", args.clock]
+           "--clock", args.clock, "--steps", str(args.steps)]
     if profile:
         cmd += ["--profile", profile]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
@@ -235,8 +259,13 @@ def _cold_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                     res = _run_child(args, variant, layers, _child_env(args, cache_dir, False), profile)
                     res["round"] = r
                     runs.append(res)
-                    print(f"[round {r}] {variant} L{layers}: " + (f"{res['total_s']:.1f}s" if "total_s" in res
-                          else "failed: " + res["error"].splitlines()[-1]), file=sys.stderr, flush=True)
+                    if "total_s" in res:
+                        steps = res.get("step_ms") or [float("nan")]
+                        done = (f"{res['total_s']:.1f}s {json.dumps({k: round(v, 1) for k, v in res['stages'].items()})}"
+                                f" step {statistics.median(steps):.2f} ms {json.dumps(res.get('schedule'))}")
+                    else:
+                        done = "failed: " + res["error"].splitlines()[-1]
+                    print(f"[round {r}] {variant} L{layers}: {done}", file=sys.stderr, flush=True)
     finally:
         if cache_dir is not None:
             shutil.rmtree(cache_dir, ignore_errors=True)
@@ -274,8 +303,10 @@ def summarize(runs: list[dict[str, Any]], variants: Sequence[str], layers: Seque
                 continue
             med[(v, n)] = statistics.median(r["total_s"] for r in ok)
             stages = {s: statistics.median(r["stages"][s] for r in ok) for s in STAGES}
+            steps = [t for r in ok for t in r.get("step_ms", [])]
             rows.append({"layers": n, "variant": v, "runs": len(ok), "total_s": med[(v, n)], "stages": stages,
-                         "late_graphs": max(r["late_graphs"] for r in ok)})
+                         "late_graphs": max(r["late_graphs"] for r in ok),
+                         "step_ms": statistics.median(steps) if steps else None})
     for row in rows:
         if "total_s" in row:
             plain = med.get(("compile", row["layers"]))
@@ -286,8 +317,8 @@ def summarize(runs: list[dict[str, Any]], variants: Sequence[str], layers: Seque
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = "| layers | variant | cold s | vs compile | vs L{} | " + " | ".join(STAGES) + " |"
-    lines = [head.format(min(r["layers"] for r in rows)), "|" + "---|" * (5 + len(STAGES))]
+    head = "| layers | variant | cold s | vs compile | vs L{} | " + " | ".join(STAGES) + " | step ms |"
+    lines = [head.format(min(r["layers"] for r in rows)), "|" + "---|" * (6 + len(STAGES))]
     for r in rows:
         if "total_s" not in r:
             lines.append(f"| {r['layers']} | {r['variant']} | failed: {r['error'][:60]} |")
@@ -295,7 +326,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         ratio = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
         stages = " | ".join(f"{r['stages'][s]:.1f}" for s in STAGES)
         lines.append(f"| {r['layers']} | {r['variant']} | {r['total_s']:.1f} | {ratio(r['vs_compile'])} | "
-                     f"{ratio(r['vs_fewest_layers'])} | {stages} |")
+                     f"{ratio(r['vs_fewest_layers'])} | {stages} | "
+                     + (f"{r['step_ms']:.2f} |" if r["step_ms"] is not None else "- |"))
     return "\n".join(lines)
 
 
@@ -324,6 +356,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--steps", type=int, default=0, help="forward+backward steps timed after the compile")
     p.add_argument("--cpu-kernels", choices=("warm", "cold"), default="warm")
     p.add_argument("--clock", choices=("wall", "cpu"), default=None,
                    help="what a second is: wall time, or the compiling thread's CPU time (default on CPU)")

@@ -19,6 +19,25 @@ that is not a tensor, mutates anything, draws random numbers, or calls a submodu
 pass only outlines what it can prove is a pure function of its inputs. Fewer than ``min_copies``
 identical bodies, or bodies of fewer than ``min_ops`` ops, are not worth a call (it costs Inductor the
 fusion of the body's first and last ops with their neighbours) and stay inline.
+
+NOTE [outlining: what was tried] (torch 2.13 CPU, 2.11 H200)
+
+* ``torch.compiler.nested_compile_region`` on each unit's forward: Dynamo reuses a traced region only
+  when every guard of the first trace holds for the next call, and the markers read per-unit constants
+  (unit index, parameter name), so every block after the first is traced again, and past
+  ``max_reuse_entries`` (8) Dynamo raises. It would need markers whose traced arguments are the same for
+  identical blocks, the per-unit constants filled in by the backend from the shards it is handed.
+* ``torch._dynamo.config.use_graph_deduplication``: Dynamo's own outlining leaves the markers outside
+  the regions, as this pass does, and the whole pipeline ran with it; but it is a global Dynamo setting
+  read while tracing, before any backend is called, so a backend cannot switch it on for its model.
+* After AOTAutograd, a forward call returned the gathered parameters for its backward call, which kept
+  them alive from forward to backward (no reshard): see NOTE [reshard through outlined bodies] in
+  fsdp_compile/backend.py. And Inductor lowers a subgraph once per attribute *name* while AOTAutograd
+  installs one per call: :func:`share_subgraphs_pass`.
+* What still grows with depth: Dynamo traces every block (with parametrized reads, about twice plain
+  Dynamo's time per block); AOTAutograd derives each call's schema by tracing the subgraph again
+  (``maybe_run_autograd -> gen_schema`` in torch/_ops.py, torch 2.13); and the outer graph keeps each
+  unit's collectives with their pack/unpack copies, which Inductor lowers one by one.
 """
 
 from __future__ import annotations

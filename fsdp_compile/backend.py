@@ -126,6 +126,16 @@ class BackendOptions:
         if unknown:
             raise ValueError(f"make_backend: disabled_passes {sorted(unknown)} match no pass; known: {list(PASS_NAMES)}")
 
+    def uses_cost_model(self) -> bool:
+        """Whether a schedule setting is picked by the cost model (``"auto"``, see ``_schedule``)."""
+        return self.prefetch == "auto" or (self.reduce_scatter_bytes == "auto" and self.hardware is not None)
+
+    def outlines(self) -> bool:
+        """Outline identical units (NOTE [outlining]): only for Inductor, which is what it saves time in,
+        and not when the cost model picks settings: it estimates compute node by node and does not see
+        inside a subgraph call."""
+        return self.outline and self.inductor and not self.uses_cost_model()
+
     def cost_model(self) -> Hardware:
         """The hardware model behind estimates and ``"auto"``: the named preset, else this device's."""
         if self.hardware is None and self.calibration is None:
@@ -158,6 +168,22 @@ def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
 # into must-save when a user belongs to a *later* region. Our tags carry a number above every region,
 # so an unshard read inside a checkpointed block is still recomputed, never saved.
 _AC_GRAPH_ID = 1 << 30
+
+
+def _tag_input_views(joint: fx.GraphModule) -> None:
+    """NOTE [reshard through outlined bodies], inside a body: views and casts of a subgraph's forward
+    inputs are recomputed in its backward rather than saved, so a gathered parameter reaches backward
+    only as the input itself, which the outer graph then recomputes or saves as its unit says
+    (``_read_passed_through_inputs``), never as a view the outer graph cannot see (which would keep it
+    alive from forward to backward, aliasing a buffer the outer graph frees)."""
+    policy = CheckpointPolicy.MUST_RECOMPUTE
+    frontier = [u for p in joint.graph.find_nodes(op="placeholder") if p.name.startswith("primals") for u in p.users]
+    while frontier:
+        user = frontier.pop()
+        if user.op == "call_function" and user.target in _VIEW_OPS and user.meta.get("ac_graph_id") != _AC_GRAPH_ID:
+            user.meta["recompute"] = policy
+            user.meta["ac_graph_id"] = _AC_GRAPH_ID
+            frontier.extend(user.users)
 
 
 def _tag_reshard(joint: fx.GraphModule) -> None:
@@ -205,7 +231,10 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
     with timed("fsdp.partition"):
         joint = inductor_joint_graph_passes(joint, joint_inputs)
         _read_passed_through_inputs(joint)
-        _tag_reshard(joint)
+        if any(is_unshard(n) for n in joint.graph.nodes):
+            _tag_reshard(joint)
+        elif any(p.name.startswith("primals") for p in joint.graph.find_nodes(op="placeholder")):
+            _tag_input_views(joint)  # an outlined body (NOTE [outlining]): markers stay outside
         return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
 
@@ -227,7 +256,7 @@ def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.G
     """All passes, in order; ``"auto"`` settings resolved on the bucketed graph with the cost model."""
     skip, diff = options.disabled_passes, options.log_pass_diffs
     gm = run_passes(gm, _lowering(options), disabled=skip, log_diff=diff, allow_unknown=True)
-    if options.prefetch == "auto" or (options.reduce_scatter_bytes == "auto" and options.hardware is not None):
+    if options.uses_cost_model():
         choice = autotune.choose(gm, hw, prefetch=options.prefetch, prefetch_bytes=options.prefetch_bytes,
                                  schedule=options.schedule, reduce_scatter_bytes=options.reduce_scatter_bytes)
     else:
@@ -336,7 +365,8 @@ def make_backend(
     ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
     ``outline`` (with Inductor): identical units are compiled once and called once per unit (NOTE
     [outlining] in passes/outline.py); their collectives stay in the whole-model graph and are
-    scheduled across units as before. ``False`` compiles every unit's ops inline.
+    scheduled across units as before. ``False`` compiles every unit's ops inline, as do settings
+    the cost model picks (``"auto"`` above), which needs to see every op.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
     """
@@ -373,7 +403,7 @@ def make_backend(
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
-        if options.outline and options.inductor:  # without Inductor there is no compile time to save
+        if options.outlines():
             with timed("fsdp.outline"):
                 gm = outline_units_pass(gm)
         return aot(inductor_pre_grad_passes(gm, example_inputs), example_inputs)

@@ -3,6 +3,7 @@ every unit's collectives; training does not compile again after its first step."
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -14,7 +15,7 @@ from fsdp_compile.models import Transformer, loss_fn
 from passes.outline import outline_units_pass
 from passes.predicates import UnshardArgs, is_all_gather, is_unshard
 
-from .graph_utils import SMALL, FakeWorldTestCase, ThreeUnits, shard_blocks_then_root
+from .graph_utils import SMALL, FakeWorldTestCase, ThreeUnits, _is_view, gathered_values, shard_blocks_then_root
 
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
@@ -73,18 +74,49 @@ class OutlineTest(FakeWorldTestCase):
         # different metadata, so it stays inline (a group of one).
         self.assertEqual(len(calls(outline_units_pass(gm, min_ops=1))), 2)
 
-    def test_outlined_backward_gathers_every_unit_again(self) -> None:
-        # NOTE [reshard through outlined bodies]: the forward call must not hand gathered params to
-        # the backward call; backward all-gathers each resharding unit again, as inline units do.
+    def saved_gathered(self, reshard: bool) -> tuple[dict[str, fx.GraphModule], list[fx.Node]]:
+        """Compile and step the 3-block model; return its graphs and the forward outputs (what backward
+        reads) that are gathered params or views of them, looking through subgraph calls."""
         model = torch.compile(self.sharded_small(), backend=make_backend())
+        if not reshard:
+            torch.manual_seed(0)
+            model = torch.compile(shard_blocks_then_root(Transformer(SMALL.with_(n_layers=3)), FsdpGroups.create(),
+                                                         reshard_after_forward=False), backend=make_backend())
         tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
         with observe_graphs() as seen:
             loss_fn(model(tokens), tokens).backward()
         graphs = dict(seen)
+        fw = graphs["forward"]
+        gathered = gathered_values(fw)
+        for call in calls(fw):
+            body = getattr(fw, call.args[0].target)
+            inputs = body.graph.find_nodes(op="placeholder")
+            (results,) = body.graph.find_nodes(op="output")[0].args
+            for user in call.users:
+                source = results[user.args[1]]
+                while source.op == "call_function" and _is_view(source):
+                    source = source.args[0]
+                if source in inputs and call.args[2 + inputs.index(source)] in gathered:
+                    gathered.add(user)
+        (outputs,) = fw.graph.find_nodes(op="output")[0].args
+        return graphs, [o for o in outputs if o in gathered]
+
+    def test_outlined_backward_gathers_every_unit_again(self) -> None:
+        # NOTE [reshard through outlined bodies]: the forward call must not hand gathered params (or
+        # views of them) to the backward call; backward all-gathers each unit again, as inline units do.
+        graphs, saved = self.saved_gathered(reshard=True)
         self.assertEqual(len(calls(graphs["forward"])), 3)
         self.assertEqual(len(calls(graphs["backward"])), 3)
+        self.assertEqual(saved, [])
         gathered = [n.meta["fsdp"]["unit"] for n in graphs["backward"].graph.nodes if is_all_gather(n)]
         self.assertEqual(sorted(gathered), [0, 1, 2, 3])
+
+    def test_outlined_units_without_reshard_save_their_params_once(self) -> None:
+        graphs, saved = self.saved_gathered(reshard=False)
+        self.assertEqual([n for n in graphs["backward"].graph.nodes if is_all_gather(n)], [])
+        # Saved as gathered in the outer graph, where the unit's tag decides, not as a call's output.
+        self.assertTrue(saved)
+        self.assertEqual([n for n in saved if n.target is operator.getitem], [])
 
     def test_training_compiles_once(self) -> None:
         model = self.sharded_small(layers=2)

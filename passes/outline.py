@@ -34,6 +34,10 @@ NOTE [outlining: what was tried] (torch 2.13 CPU, 2.11 H200)
   them alive from forward to backward (no reshard): see NOTE [reshard through outlined bodies] in
   fsdp_compile/backend.py. And Inductor lowers a subgraph once per attribute *name* while AOTAutograd
   installs one per call: :func:`share_subgraphs_pass`.
+* Units with ``reshard_after_forward=False`` stay inline: outlined, their losses drifted from the
+  reference at 2 gloo ranks (relative 2.5e-3 by the third step; exact at 1 rank with the collectives
+  kept), and the cause was not found in the time this had. A suspect: the gathered params are both
+  a call's input and saved for backward, and the call may not treat its inputs as read-only buffers.
 * What still grows with depth: Dynamo traces every block (with parametrized reads, about twice plain
   Dynamo's time per block); AOTAutograd derives each call's schema by tracing the subgraph again
   (``maybe_run_autograd -> gen_schema`` in torch/_ops.py, torch 2.13); and the outer graph keeps each
@@ -206,8 +210,8 @@ def outline_units_pass(gm: fx.GraphModule, *, min_copies: int = 2, min_ops: int 
     groups: dict[object, list[_Body]] = {}
     for unit, markers in by_unit.items():
         scope = _common_prefix(_stack(m) for m in markers)
-        if not scope:
-            continue
+        if not scope or not all(UnshardArgs.of(m).reshard for m in markers):
+            continue  # no module of its own; or kept gathered to backward (see the NOTE below)
         body = _body(unit, scope, nodes, index, marker_units)
         if body is not None and len(body.nodes) >= min_ops:
             groups.setdefault(_signature(body), []).append(body)

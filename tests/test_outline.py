@@ -3,7 +3,6 @@ every unit's collectives; training does not compile again after its first step."
 
 from __future__ import annotations
 
-import operator
 import warnings
 
 import torch
@@ -111,12 +110,12 @@ class OutlineTest(FakeWorldTestCase):
         gathered = [n.meta["fsdp"]["unit"] for n in graphs["backward"].graph.nodes if is_all_gather(n)]
         self.assertEqual(sorted(gathered), [0, 1, 2, 3])
 
-    def test_outlined_units_without_reshard_save_their_params_once(self) -> None:
+    def test_units_without_reshard_stay_inline(self) -> None:
+        # NOTE [outlining: what was tried]: reshard_after_forward=False units are not outlined.
         graphs, saved = self.saved_gathered(reshard=False)
+        self.assertEqual(calls(graphs["forward"]), [])
         self.assertEqual([n for n in graphs["backward"].graph.nodes if is_all_gather(n)], [])
-        # Saved as gathered in the outer graph, where the unit's tag decides, not as a call's output.
         self.assertTrue(saved)
-        self.assertEqual([n for n in saved if n.target is operator.getitem], [])
 
     def test_training_compiles_once(self) -> None:
         model = self.sharded_small(layers=2)

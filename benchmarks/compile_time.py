@@ -17,7 +17,10 @@ NOTE [compile-time keys] in ``fsdp_compile/backend.py``):
     other      the rest of the first step: running it, Inductor's pre-grad passes, wrappers
 
 Variants run in turn within each round (the order rotates), so machine noise hits them alike; the table
-gives medians over rounds.
+gives medians over rounds. On CPU a second is, by default, one of the compiling thread's CPU seconds
+(``--clock cpu``, NOTE [CPU clock]): on a machine shared with other work, wall time mostly measures the
+neighbours. ``--steps N`` also times N forward+backward steps after the compile (no optimizer), and
+every run records how many all-gathers, reduce-scatters and subgraph calls each compiled graph holds.
 
 Caches. On GPU every child starts with empty caches (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``). On CPU the
 kernels are C++ files whose compiler dominates everything else on two cores, so by default the FX-graph

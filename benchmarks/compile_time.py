@@ -58,10 +58,11 @@ STAGES = ("dynamo", "aot", "partition", "passes", "agreement", "inductor", "kern
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "compile": ("plain", {}),
     "fsdp-compile": ("fsdp", {}),
+    "fsdp-compile-outline": ("fsdp", {"outline": True}),
     "fsdp-compile-whole": ("fsdp", {"outline": False}),
     "fsdp2-compile": ("fsdp2", {}),
 }
-DEFAULT_VARIANTS = ("compile", "fsdp-compile", "fsdp-compile-whole", "fsdp2-compile")
+DEFAULT_VARIANTS = ("compile", "fsdp-compile", "fsdp-compile-outline", "fsdp2-compile")
 
 
 def stages_from(metrics: dict[str, float], total: float) -> dict[str, float]:

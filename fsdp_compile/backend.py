@@ -14,8 +14,9 @@
 4. Inductor compiles each graph (``compile_fx_inner``, the order pinned), or, with ``inductor=False``,
    the scheduled FX graphs run as they are (for debugging).
 
-With Inductor, identical units are outlined first (step 0, on Dynamo's graph): each group of identical
-unit bodies becomes one subgraph that AOTAutograd and Inductor compile once (NOTE [outlining]).
+With ``outline=True`` and Inductor, identical units are outlined first (step 0, on Dynamo's graph):
+each group of identical unit bodies becomes one subgraph that AOTAutograd and Inductor compile once
+(NOTE [outlining]).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class BackendOptions:
     calibration: str | None = None
     disabled_passes: tuple[str, ...] = ()
     log_pass_diffs: bool = False
-    outline: bool = True
+    outline: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -170,22 +171,6 @@ def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
 _AC_GRAPH_ID = 1 << 30
 
 
-def _tag_input_views(joint: fx.GraphModule) -> None:
-    """NOTE [reshard through outlined bodies], inside a body: views and casts of a subgraph's forward
-    inputs are recomputed in its backward rather than saved, so a gathered parameter reaches backward
-    only as the input itself, which the outer graph then recomputes or saves as its unit says
-    (``_read_passed_through_inputs``), never as a view the outer graph cannot see (which would keep it
-    alive from forward to backward, aliasing a buffer the outer graph frees)."""
-    policy = CheckpointPolicy.MUST_RECOMPUTE
-    frontier = [u for p in joint.graph.find_nodes(op="placeholder") if p.name.startswith("primals") for u in p.users]
-    while frontier:
-        user = frontier.pop()
-        if user.op == "call_function" and user.target in _VIEW_OPS and user.meta.get("ac_graph_id") != _AC_GRAPH_ID:
-            user.meta["recompute"] = policy
-            user.meta["ac_graph_id"] = _AC_GRAPH_ID
-            frontier.extend(user.users)
-
-
 def _tag_reshard(joint: fx.GraphModule) -> None:
     """NOTE [reshard by recompute]: mark unshards of resharding units (and the view/cast chains that
     only read them) must-recompute, so the partitioner cannot save a gathered param for backward and
@@ -215,7 +200,8 @@ def _read_passed_through_inputs(joint: fx.GraphModule) -> None:
     inputs, such as a gathered parameter, would then reach backward through the forward call's output,
     where the must-recompute tag on its unshard cannot see it: the full parameter would be kept from
     forward to backward. Reading such values from the input itself lets the partitioner recompute the
-    unshard in backward, as it does for inline units."""
+    unshard in backward, as it does for inline units. (Views of them that the body saves, such as a
+    transposed weight, are still saved: see NOTE [outlining: what was tried].)"""
     for node in joint.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
         body = getattr(joint, str(node.args[0].target))  # type: ignore[union-attr]
         placeholders = {p: i for i, p in enumerate(body.graph.find_nodes(op="placeholder"))}
@@ -231,10 +217,7 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
     with timed("fsdp.partition"):
         joint = inductor_joint_graph_passes(joint, joint_inputs)
         _read_passed_through_inputs(joint)
-        if any(is_unshard(n) for n in joint.graph.nodes):
-            _tag_reshard(joint)
-        elif any(p.name.startswith("primals") for p in joint.graph.find_nodes(op="placeholder")):
-            _tag_input_views(joint)  # an outlined body (NOTE [outlining]): markers stay outside
+        _tag_reshard(joint)
         return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
 
@@ -334,7 +317,7 @@ def make_backend(
     calibration: str | os.PathLike[str] | None = None,
     disabled_passes: Sequence[str] = (),
     log_pass_diffs: bool = False,
-    outline: bool = True,
+    outline: bool = False,
 ) -> Any:
     """A ``torch.compile`` backend for models prepared with ``fully_shard``.
 
@@ -363,10 +346,12 @@ def make_backend(
     ``cost.HARDWARE``; default: this device's) and ``calibration`` (a JSON of measured numbers) set the
     cost model behind the estimated times in dumps, logs and ``"auto"`` settings.
     ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
-    ``outline`` (with Inductor): identical units are compiled once and called once per unit (NOTE
-    [outlining] in passes/outline.py); their collectives stay in the whole-model graph and are
-    scheduled across units as before. ``False`` compiles every unit's ops inline, as do settings
-    the cost model picks (``"auto"`` above), which needs to see every op.
+    ``outline=True`` (with Inductor): identical units are compiled once and called once per unit
+    (NOTE [outlining] in passes/outline.py), for a compile time that grows more slowly with depth;
+    their collectives stay in the whole-model graph and are scheduled across units as before. The
+    price: an outlined unit's backward reads the views of its gathered params that its forward saved,
+    so those stay alive from forward to backward, as with ``reshard_after_forward=False``. Not applied
+    where the cost model picks settings (``"auto"`` above): it needs to see every op.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
     """

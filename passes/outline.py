@@ -34,10 +34,15 @@ NOTE [outlining: what was tried] (torch 2.13 CPU, 2.11 H200)
   them alive from forward to backward (no reshard): see NOTE [reshard through outlined bodies] in
   fsdp_compile/backend.py. And Inductor lowers a subgraph once per attribute *name* while AOTAutograd
   installs one per call: :func:`share_subgraphs_pass`.
-* Units with ``reshard_after_forward=False`` stay inline: outlined, their losses drifted from the
-  reference at 2 gloo ranks (relative 2.5e-3 by the third step; exact at 1 rank with the collectives
-  kept), and the cause was not found in the time this had. A suspect: the gathered params are both
-  a call's input and saved for backward, and the call may not treat its inputs as read-only buffers.
+* A body's forward saves what its backward needs; for a linear layer that is the transposed weight,
+  a view of the gathered param, which keeps the param alive from forward to backward (reshard is lost
+  for outlined units: the memory of ``reshard_after_forward=False``). Tagging views of a body's inputs
+  must-recompute in its partition fixes that (backward then gathers again and reads the param itself),
+  and the graphs look right, but the losses then drifted from the reference at 2 gloo ranks (relative
+  1e-3 within 10 steps; exact at 1 rank with the collectives kept); so did outlined units with
+  ``reshard_after_forward=False`` (which now stay inline). The cause was not found in the time this
+  had; a suspect is Inductor's handling of a subgraph input that is also read after the call.
+  This is why ``outline`` is off by default.
 * What still grows with depth: Dynamo traces every block (with parametrized reads, about twice plain
   Dynamo's time per block); AOTAutograd derives each call's schema by tracing the subgraph again
   (``maybe_run_autograd -> gen_schema`` in torch/_ops.py, torch 2.13); and the outer graph keeps each

@@ -21,6 +21,7 @@ from torch._logging._internal import getArtifactLogger
 __all__ = [
     "aot_autograd",
     "compile_fx_inner",
+    "compile_time_metrics",
     "default_store",
     "group_timeout_s",
     "getArtifactLogger",
@@ -34,6 +35,7 @@ __all__ = [
     "resolve_group",
     "select_decomp_table",
     "store_connection",
+    "timed",
 ]
 
 
@@ -123,3 +125,19 @@ def inductor_joint_graph_passes(joint: Any, joint_inputs: Any) -> Any:
         except TypeError:  # older signature
             return recursive(joint)
     return joint_graph_passes(joint)
+
+
+def timed(key: str) -> Any:
+    """A context manager adding its duration to torch.compile's timing table under ``key`` (it shows in
+    ``torch._dynamo.utils.compile_times()``, tlparse and :func:`compile_time_metrics`)."""
+    from torch._dynamo.utils import dynamo_timed
+
+    return dynamo_timed(key)
+
+
+def compile_time_metrics() -> dict[str, float]:
+    """Seconds spent so far in this process under each ``dynamo_timed`` key (Dynamo, AOTAutograd,
+    Inductor and :func:`timed`), summed over compiles."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {key: float(sum(values)) for key, values in compilation_time_metrics.items()}

@@ -13,6 +13,10 @@
    schedule goes to logs and dumps.
 4. Inductor compiles each graph (``compile_fx_inner``, the order pinned), or, with ``inductor=False``,
    the scheduled FX graphs run as they are (for debugging).
+
+With ``outline=True`` and Inductor, identical units are outlined first (step 0, on Dynamo's graph):
+each group of identical unit bodies becomes one subgraph that AOTAutograd and Inductor compile once
+(NOTE [outlining]).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import operator
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from passes import NamedPass, run_passes
 from passes.bucket import bucket_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
+from passes.outline import outline_units_pass, share_subgraphs_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
 from passes.streams import check_streams, streams_pass
@@ -49,6 +55,7 @@ from ._compat import (
     min_cut_rematerialization_partition,
     resolve_group,
     select_decomp_table,
+    timed,
 )
 from .autotune import Choice
 from .cost import Hardware, detect_hardware, load_hardware
@@ -95,6 +102,7 @@ class BackendOptions:
     calibration: str | None = None
     disabled_passes: tuple[str, ...] = ()
     log_pass_diffs: bool = False
+    outline: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -118,6 +126,16 @@ class BackendOptions:
         unknown = set(self.disabled_passes) - set(PASS_NAMES)
         if unknown:
             raise ValueError(f"make_backend: disabled_passes {sorted(unknown)} match no pass; known: {list(PASS_NAMES)}")
+
+    def uses_cost_model(self) -> bool:
+        """Whether a schedule setting is picked by the cost model (``"auto"``, see ``_schedule``)."""
+        return self.prefetch == "auto" or (self.reduce_scatter_bytes == "auto" and self.hardware is not None)
+
+    def outlines(self) -> bool:
+        """Outline identical units (NOTE [outlining]): only for Inductor, which is what it saves time in,
+        and not when the cost model picks settings: it estimates compute node by node and does not see
+        inside a subgraph call."""
+        return self.outline and self.inductor and not self.uses_cost_model()
 
     def cost_model(self) -> Hardware:
         """The hardware model behind estimates and ``"auto"``: the named preset, else this device's."""
@@ -175,12 +193,32 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
                 frontier.extend(user.users)
 
 
+def _read_passed_through_inputs(joint: fx.GraphModule) -> None:
+    """NOTE [reshard through outlined bodies]: AOTAutograd splits each ``invoke_subgraph`` call (see
+    NOTE [outlining] in passes/outline.py) into a forward call that also returns what its backward
+    saves, and a backward call that reads those. A saved value that is just one of the forward call's
+    inputs, such as a gathered parameter, would then reach backward through the forward call's output,
+    where the must-recompute tag on its unshard cannot see it: the full parameter would be kept from
+    forward to backward. Reading such values from the input itself lets the partitioner recompute the
+    unshard in backward, as it does for inline units. (Views of them that the body saves, such as a
+    transposed weight, are still saved: see NOTE [outlining: what was tried].)"""
+    for node in joint.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        body = getattr(joint, str(node.args[0].target))  # type: ignore[union-attr]
+        placeholders = {p: i for i, p in enumerate(body.graph.find_nodes(op="placeholder"))}
+        (results,) = body.graph.find_nodes(op="output")[0].args
+        for user in list(node.users):
+            if user.target is operator.getitem and results[user.args[1]] in placeholders:
+                user.replace_all_uses_with(node.args[2 + placeholders[results[user.args[1]]]])
+
+
 def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Inductor's joint-graph passes (as ``torch.compile`` runs them), :func:`_tag_reshard`, then the
     min-cut partition."""
-    joint = inductor_joint_graph_passes(joint, joint_inputs)
-    _tag_reshard(joint)
-    return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+    with timed("fsdp.partition"):
+        joint = inductor_joint_graph_passes(joint, joint_inputs)
+        _read_passed_through_inputs(joint)
+        _tag_reshard(joint)
+        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
 
 def _lowering(options: BackendOptions) -> list[NamedPass]:
@@ -201,7 +239,7 @@ def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.G
     """All passes, in order; ``"auto"`` settings resolved on the bucketed graph with the cost model."""
     skip, diff = options.disabled_passes, options.log_pass_diffs
     gm = run_passes(gm, _lowering(options), disabled=skip, log_diff=diff, allow_unknown=True)
-    if options.prefetch == "auto" or (options.reduce_scatter_bytes == "auto" and options.hardware is not None):
+    if options.uses_cost_model():
         choice = autotune.choose(gm, hw, prefetch=options.prefetch, prefetch_bytes=options.prefetch_bytes,
                                  schedule=options.schedule, reduce_scatter_bytes=options.reduce_scatter_bytes)
     else:
@@ -221,15 +259,22 @@ def _compile(
     is_backward: bool,
     is_inference: bool,
 ) -> Callable[..., Any]:
-    gm = _schedule(gm, options, hw)
+    # NOTE [compile-time keys]: each stage of ours adds to torch.compile's timing table under an
+    # ``fsdp.*`` key (benchmarks/compile_time.py reads them beside Dynamo's, AOTAutograd's, Inductor's).
+    with timed("fsdp.passes"):
+        gm = _schedule(share_subgraphs_pass(gm), options, hw)
     kind = "backward" if is_backward else "inference" if is_inference else "forward"
-    identity = agreement.identify(gm, kind, options.agreement_timeout_s) if options.check_agreement else None
-    if identity is not None:
-        agreement.check_agreement(identity)
+    identity = None
+    if options.check_agreement:
+        with timed("fsdp.agreement"):
+            identity = agreement.identify(gm, kind, options.agreement_timeout_s)
+            if identity is not None:
+                agreement.check_agreement(identity)
     graph_id = next(_graph_ids)
-    log_schedule(kind, lambda: report(gm, hw))
-    if options.dump_dir is not None:
-        dump(gm, options.dump_dir, f"{kind}_{graph_id}", hw)
+    with timed("fsdp.report"):
+        log_schedule(kind, lambda: report(gm, hw))
+        if options.dump_dir is not None:
+            dump(gm, options.dump_dir, f"{kind}_{graph_id}", hw)
     for observer in _observers:
         observer(kind, gm)
     compiled = _inductor(gm, example_inputs, options=options, graph_id=graph_id, is_backward=is_backward,
@@ -272,6 +317,7 @@ def make_backend(
     calibration: str | os.PathLike[str] | None = None,
     disabled_passes: Sequence[str] = (),
     log_pass_diffs: bool = False,
+    outline: bool = False,
 ) -> Any:
     """A ``torch.compile`` backend for models prepared with ``fully_shard``.
 
@@ -300,6 +346,12 @@ def make_backend(
     ``cost.HARDWARE``; default: this device's) and ``calibration`` (a JSON of measured numbers) set the
     cost model behind the estimated times in dumps, logs and ``"auto"`` settings.
     ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
+    ``outline=True`` (with Inductor): identical units are compiled once and called once per unit
+    (NOTE [outlining] in passes/outline.py), for a compile time that grows more slowly with depth;
+    their collectives stay in the whole-model graph and are scheduled across units as before. The
+    price: an outlined unit's backward reads the views of its gathered params that its forward saved,
+    so those stay alive from forward to backward, as with ``reshard_after_forward=False``. Not applied
+    where the cost model picks settings (``"auto"`` above): it needs to see every op.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
     """
@@ -320,6 +372,7 @@ def make_backend(
         calibration=None if calibration is None else os.fspath(calibration),
         disabled_passes=tuple(disabled_passes),
         log_pass_diffs=log_pass_diffs,
+        outline=outline,
     )
     hw = options.cost_model()  # once: an unknown preset or a bad calibration file fails here
     compile_fw = functools.partial(_compile, options=options, hw=hw, is_backward=False, is_inference=False)
@@ -335,6 +388,9 @@ def make_backend(
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
+        if options.outlines():
+            with timed("fsdp.outline"):
+                gm = outline_units_pass(gm)
         return aot(inductor_pre_grad_passes(gm, example_inputs), example_inputs)
 
     return backend

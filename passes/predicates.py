@@ -33,10 +33,18 @@ __all__ = [
 c10d = torch.ops._c10d_functional
 
 
-def _schema_name(node: fx.Node) -> str | None:
+def _schema(node: fx.Node) -> torch.FunctionSchema | None:
+    """The schema of an op call: an overload (AOTAutograd's graphs) or a packet (Dynamo's graphs)."""
     if node.op != "call_function":
         return None
-    schema = getattr(node.target, "_schema", None)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    return getattr(target, "_schema", None)
+
+
+def _schema_name(node: fx.Node) -> str | None:
+    schema = _schema(node)
     return schema.name if schema is not None else None
 
 
@@ -183,7 +191,8 @@ class ReduceGradArgs:
 
 def _schema_args(node: fx.Node) -> dict[str, object]:
     """A marker's arguments by schema name, whether the call passed them by position or keyword."""
-    schema = node.target._schema  # type: ignore[union-attr]
+    schema = _schema(node)
+    assert schema is not None, node
     out: dict[str, object] = {}
     for i, arg in enumerate(schema.arguments):
         out[arg.name] = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)

@@ -55,21 +55,22 @@ def _norms(params: list[nn.Parameter]) -> dict[str, Any]:
     }
 
 
-def clip_training(rank: int, world: int, steps: int, max_norm: float) -> dict[str, Any]:
+def clip_training(rank: int, world: int, steps: int, max_norm: float, device: str = "cpu",
+                  backend_kw: dict[str, Any] | None = None) -> dict[str, Any]:
     """Uneven shards (vocab 1001, width 10), the standard clip call every step; and the same training
     unsharded in this process on all ranks' batches."""
     groups = FsdpGroups.create()
     torch.manual_seed(0)
-    model = shard_model(UnevenModel(), groups)
-    compiled = torch.compile(model, backend=make_backend(inductor=False))
+    model = shard_model(UnevenModel().to(device), groups)
+    compiled = torch.compile(model, backend=make_backend(**(backend_kw or {"inductor": False})))
     opt = make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad])
     torch.manual_seed(0)
-    ref = UnevenModel()
+    ref = UnevenModel().to(device)
     ref_opt = make_optimizer("adamw", [p for p in ref.parameters() if p.requires_grad])
     out: dict[str, Any] = {"losses": [], "ref_losses": [], "clipped": [], "ref_clipped": [], "norms": [],
                            "ref_norms": []}
     for step in range(steps):
-        batches = [_tokens(100 * step + r, 2, 6, 1001) for r in range(world)]
+        batches = [tuple(t.to(device) for t in _tokens(100 * step + r, 2, 6, 1001)) for r in range(world)]
         x, y = batches[rank]
         loss = loss_fn(compiled(x), y)
         loss.backward()

@@ -13,6 +13,7 @@ import torch
 from fsdp_compile.launch import run_ranks
 
 from .test_numerics import check
+from .misuse_workers import clip_training
 from .workers import Case, train_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,3 +32,11 @@ def test_world1_nccl_matches_cpu(backend_kw: dict, group_kw: dict) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     case = Case(device="cuda", steps=6, backend_kw=backend_kw, group_kw=group_kw)
     check(run_ranks(train_case, 1, case, backend="nccl"), steps=case.steps, rtol=1e-4)
+
+
+def test_clip_grad_norm_on_cuda() -> None:
+    """ShardGrad on CUDA tensors: foreach norms, the clip, AdamW, with the collectives kept (NCCL)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    (r,) = run_ranks(clip_training, 1, 3, 0.05, "cuda", {"elide_single_rank": False}, backend="nccl")
+    assert r["clipped"] == pytest.approx(r["ref_clipped"], rel=1e-4)
+    assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-4)

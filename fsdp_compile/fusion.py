@@ -37,6 +37,8 @@ def _kind(node: fx.Node) -> str:
         return "view"
     if name in MATMUL_OPS or name in ATTENTION_OPS or not hasattr(node.target, "overloadpacket"):
         return "extern"
+    if getattr(node.target, "namespace", None) == "fsdp":  # a bucket's copies: one kernel, opaque to Inductor
+        return "extern"
     return "extern" if node_flops(node) else "fused"
 
 

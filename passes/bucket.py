@@ -9,11 +9,14 @@ in place (NOTE [in-place all-gather]): the members are packed straight into this
 output, which the collective then fills around it::
 
     out = empty(W * N); out[r*N : (r+1)*N].copy_(cat(x_1..x_k))
-    -> all_gather_into_tensor_out(out[r*N : (r+1)*N], out=out) -> wait_tensor -> view(W, N)[:, off_i : off_i + n_i]
+    -> all_gather_into_tensor_out(out[r*N : (r+1)*N], out=out) -> wait_tensor
+    -> fsdp.copy_out_rows(out, W, [n_1..n_k])          (member i: columns off_i : off_i + n_i of each row)
 
 and for gradients (each ``g_i`` already padded to ``W * m_i``)::
 
-    cat(g_i.view(W, m_i) for i, dim=1) -> reduce_scatter_tensor -> wait_tensor -> [off_i : off_i + m_i]
+    fsdp.pack_rows([g_1..g_k], W) -> reduce_scatter_tensor -> wait_tensor -> [off_i : off_i + m_i]
+
+(one op for each copy, NOTE [bucket copies] in ``copies.py``)
 
 and, for HSDP, the all-reduces across replicas likewise (``cat -> all_reduce -> wait -> split``).
 
@@ -44,6 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, fx
 
+from . import copies as _copies  # noqa: F401  (registers fsdp::copy_out_rows and fsdp::pack_rows)
 from .order import reorder
 from .predicates import fsdp_meta, is_all_gather, is_all_reduce, is_reduce_scatter, tensor_bytes, wait_of
 from .splice import splice
@@ -76,8 +80,9 @@ def _gather_bucket(world: int, group: str, sizes: Sequence[int], rank: int | Non
             buffer = flats[0].new_empty(world * n)
             mine = buffer.narrow(0, rank * n, n).copy_(torch.cat(flats))
             out = c10d.wait_tensor(c10d.all_gather_into_tensor_out(mine, world, group, out=buffer))
-        rows = out.view(world, -1)
-        return [t.reshape(-1) for t in rows.split(list(sizes), dim=1)]
+        if world == 1:  # one row: each member is a contiguous slice already
+            return list(out.split(list(sizes)))
+        return list(torch.ops.fsdp.copy_out_rows(out, world, list(sizes)))  # NOTE [bucket copies]
 
     return fn
 
@@ -92,7 +97,7 @@ def _reduce_bucket(world: int, group: str, sizes: Sequence[int], rank: int | Non
 
 def _scatter_bucket(world: int, group: str, sizes: Sequence[int], rank: int | None) -> Callable[..., list[Tensor]]:
     def fn(*flats: Tensor) -> list[Tensor]:
-        packed = torch.cat([f.view(world, -1) for f in flats], dim=1).reshape(-1)
+        packed = torch.ops.fsdp.pack_rows(list(flats), world)  # NOTE [bucket copies]
         out = c10d.wait_tensor(c10d.reduce_scatter_tensor(packed, "sum", world, group))
         return list(out.split(list(sizes)))
 

@@ -18,6 +18,7 @@ from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.schedule import group_labels, listing
 from fsdp_compile.models import ModelConfig
+import passes.copies  # noqa: F401  (registers torch.ops.fsdp.copy_out_rows)
 from passes.predicates import is_all_gather, is_reduce_scatter, is_wait
 
 SMALL = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=16, max_seq_len=8)
@@ -112,4 +113,5 @@ def _is_view(n: fx.Node) -> bool:
         torch.ops.aten.t, torch.ops.aten._unsafe_view, torch.ops.aten.expand, torch.ops.aten.clone,
         torch.ops.aten.split_with_sizes, torch.ops.aten.select, torch.ops.prims.convert_element_type,
         torch.ops.aten._to_copy, torch.ops.aten.as_strided,
+        torch.ops.fsdp.copy_out_rows,  # a bucket's members, copied out (NOTE [bucket copies])
     } or n.target is operator.getitem

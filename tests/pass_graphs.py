@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compile.ops as fsdp_ops
+import passes.copies as bucket_copies
 from fsdp_compile.schedule import listing
 from passes import NamedPass
 from passes.bucket import bucket_pass
@@ -195,9 +196,10 @@ class TwoRanks(TorchDispatchMode):
             return (x * sum(range(1, n + 1))).chunk(n)[0].clone()
         if func is c10d.wait_tensor.default:
             return args[0]
-        if func.namespace == "fsdp":  # the marker's eager body, with this mode still on
+        if func.namespace == "fsdp":  # the marker's (or bucket copy's) eager body, with this mode still on
+            module = fsdp_ops if hasattr(fsdp_ops, func._opname) else bucket_copies
             with self:
-                return getattr(fsdp_ops, func._opname)._init_fn(*args, **kwargs)
+                return getattr(module, func._opname)._init_fn(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -356,16 +356,16 @@ order  node                          unit  collective  group  stream      bytes 
     2  pack (6 nodes)                1     all_gather  ag     compute                      6.000         13.200
     3  all_gather_into_tensor_out_1  1     all_gather  ag     all_gather    288           21.001         36.001
     4  wait_tensor_6                 0     all_gather  ag     compute                     13.200         21.001
-    5  unpack (12 nodes)             0     all_gather  ag     compute                     21.001         28.201
-    6  addmm relu (3 nodes)                                   compute                     28.201         35.401
-    7  pack (6 nodes)                2     all_gather  ag     compute                     35.401         41.501
-    8  all_gather_into_tensor_out_2  2     all_gather  ag     all_gather    288           41.501         56.501
-    9  wait_tensor_7                 1     all_gather  ag     compute                     41.501         41.501
-   10  unpack (12 nodes)             1     all_gather  ag     compute                     41.501         48.701
-   11  addmm relu (3 nodes)                                   compute                     48.701         55.901
-   12  wait_tensor_8                 2     all_gather  ag     compute                     55.901         56.501
-   13  unpack (12 nodes)             2     all_gather  ag     compute                     56.501         62.501
-   14  addmm relu le (4 nodes)                                compute                     62.501         71.502""")
+    5  unpack (7 nodes)              0     all_gather  ag     compute                     21.001         24.601
+    6  addmm relu (3 nodes)                                   compute                     24.601         31.801
+    7  pack (6 nodes)                2     all_gather  ag     compute                     31.801         38.501
+    8  all_gather_into_tensor_out_2  2     all_gather  ag     all_gather    288           38.501         53.501
+    9  wait_tensor_7                 1     all_gather  ag     compute                     38.501         38.501
+   10  unpack (7 nodes)              1     all_gather  ag     compute                     38.501         42.101
+   11  addmm relu (3 nodes)                                   compute                     42.101         49.301
+   12  wait_tensor_8                 2     all_gather  ag     compute                     49.301         53.501
+   13  unpack (7 nodes)              2     all_gather  ag     compute                     53.501         56.501
+   14  addmm relu le (4 nodes)                                compute                     56.501         65.501""")
 
 
 # --- load_hardware ------------------------------------------------------------------------------

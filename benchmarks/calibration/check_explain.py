@@ -29,6 +29,7 @@ class Measured:
     world: int
     ms: tuple[float, float]  # (low, high); a median is (m, m)
     build: Callable[[], dict[str, Any]]  # explain()'s model arguments
+    schedule: tuple[tuple[str, Any], ...] = ()  # backend options of the schedule that was measured
 
     @property
     def mid(self) -> float:
@@ -53,9 +54,15 @@ def _mlp(layers: int, tokens: int, dim: int = 4096) -> Callable[[], dict[str, An
     return build
 
 
+# The 2-GPU steps were measured before large params kept their own collectives and buckets were
+# gathered in place: the estimate is of that schedule (every param bucketed, packed apart).
+_AS_MEASURED_IN_ISSUE_13 = (("bucket_alone_bytes", None), ("inplace_gather", False))
+
 MEASURED = [
-    Measured("llama 4 x D4096, 1x2048 tok/rank", "issue 13, 2 x H200", 2, (38.7, 40.0), _llama(4, 1, 2048)),
-    Measured("llama 8 x D4096, 2x2048 tok/rank", "issue 13, 2 x H200", 2, (104.0, 113.0), _llama(8, 2, 2048)),
+    Measured("llama 4 x D4096, 1x2048 tok/rank", "issue 13, 2 x H200", 2, (38.7, 40.0), _llama(4, 1, 2048),
+             _AS_MEASURED_IN_ISSUE_13),
+    Measured("llama 8 x D4096, 2x2048 tok/rank", "issue 13, 2 x H200", 2, (104.0, 113.0), _llama(8, 2, 2048),
+             _AS_MEASURED_IN_ISSUE_13),
     Measured("mlp 4 x D4096, 8192 tok", "README, H200 world 1", 1, (47.50, 47.50), _mlp(4, 8192)),
     Measured("llama 4 x D4096, 2x2048 tok", "README, H200 world 1", 1, (54.60, 54.60), _llama(4, 2, 2048)),
     Measured("llama 2 x D4096, 1x8192 tok", "h200_kernels.json, H200 world 1", 1, (58.98, 58.98), _llama(2, 1, 8192)),
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0.0
     for m in MEASURED:
         est = explain(**m.build(), world_size=m.world, hardware="h200", calibration=ns.calibration,
-                      trace_layers=None).summary["step_ms"]
+                      trace_layers=None, **dict(m.schedule)).summary["step_ms"]
         err = est / m.mid - 1
         worst = max(worst, abs(err))
         shown = f"{m.ms[0]:.1f}" if m.ms[0] == m.ms[1] else f"{m.ms[0]:.1f}-{m.ms[1]:.1f}"

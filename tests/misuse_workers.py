@@ -37,6 +37,24 @@ def _tokens(seed: int, batch: int, seq: int, vocab: int) -> tuple[Tensor, Tensor
     return t[:, :-1], t[:, 1:]
 
 
+def _step(compiled: Any, opt: torch.optim.Optimizer, ref: nn.Module, ref_opt: torch.optim.Optimizer,
+          batches: list[tuple[Tensor, Tensor]], rank: int, world: int) -> tuple[float, float]:
+    """One step sharded on this rank's batch and one unsharded on all of them (FSDP averages the ranks'
+    gradients, so the reference averages their losses): (global mean loss, reference loss)."""
+    x, y = batches[rank]
+    loss = loss_fn(compiled(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    ref_loss = sum(loss_fn(ref(bx), by) for bx, by in batches) / world
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return total.item() / world, ref_loss.item()
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradient clipping and other norms over sharded gradients
 # ---------------------------------------------------------------------------------------------
@@ -119,19 +137,9 @@ def ragged_lengths(rank: int, world: int, backend_kw: dict[str, Any]) -> dict[st
     losses, ref_losses = [], []
     for step in range(len(RAGGED[0])):
         batches = [_tokens(10 * step + r, 2, RAGGED[r][step], TINY.vocab_size) for r in range(world)]
-        x, y = batches[rank]
-        loss = loss_fn(compiled(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-        ref_loss = sum(loss_fn(ref(bx), by) for bx, by in batches) / world  # FSDP averages per-rank grads
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
+        loss, ref_loss = _step(compiled, opt, ref, ref_opt, batches, rank, world)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
     groups.destroy()
     return {"losses": losses, "ref_losses": ref_losses}
 
@@ -220,18 +228,9 @@ def freeze_and_init_after_sharding(rank: int, world: int) -> dict[str, Any]:
     losses, ref_losses = [], []
     for step in range(3):
         batches = [_tokens(step * 7 + r, 2, 6, TINY.vocab_size) for r in range(world)]
-        loss = loss_fn(compiled(batches[rank][0]), batches[rank][1])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-        ref_loss = sum(loss_fn(ref(bx), by) for bx, by in batches) / world
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
+        loss, ref_loss = _step(compiled, opt, ref, ref_opt, batches, rank, world)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
     wq = model.layers[0].attn.wq  # type: ignore[index,union-attr]
     full = wq.weight.detach().clone()  # a gather: every rank reads it
     shard = local_shard(wq, "weight")

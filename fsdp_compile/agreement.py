@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch.distributed as dist
 from torch import fx
@@ -101,15 +99,7 @@ def identify(gm: fx.GraphModule, kind: str, timeout_s: float | None = None) -> G
 
 # Keys every peer has posted, per default process group (a recompile with the same collectives need
 # not wait again, and must not post twice: peers count posts).
-_agreed: tuple[Any, set[str]] = (None, set())
-
-
-def _agreed_keys() -> set[str]:
-    global _agreed
-    world = dist.group.WORLD
-    if _agreed[0] is None or _agreed[0]() is not world:
-        _agreed = (weakref.ref(world), set())
-    return _agreed[1]
+_agreed: _peers_mod.PerProcessGroup[set[str]] = _peers_mod.PerProcessGroup(set)
 
 
 def check_agreement(graph: GraphIdentity) -> None:
@@ -128,7 +118,7 @@ def check_agreement(graph: GraphIdentity) -> None:
         return _difference(me, graph.kind, list(graph.collectives), rank, other["kind"], other["collectives"])
 
     key = f"agreement/{graph.key}"
-    agreed = _agreed_keys()
+    agreed = _agreed.get()
     if key in agreed:
         return
     waiting = _peers_mod.Waiting(key=key, what=what, groups=graph.groups)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,26 +42,17 @@ __all__ = ["guard"]
 class _Sequence:
     """This process's calls of compiled graphs that have peers."""
 
-    world: weakref.ref
     last: GraphIdentity | None = None
     seen: set[tuple[str | None, str]] = field(default_factory=set)
     calls: int = 0
     check_ins: int = 0
 
 
-_state: _Sequence | None = None
-
-
-def _sequence() -> _Sequence:
-    global _state
-    world = dist.group.WORLD
-    if _state is None or _state.world() is not world:  # a new default process group starts afresh
-        _state = _Sequence(world=weakref.ref(world))
-    return _state
+_state: peers.PerProcessGroup[_Sequence] = peers.PerProcessGroup(_Sequence)
 
 
 def _before_call(graph: GraphIdentity) -> None:
-    seq = _sequence()
+    seq = _state.get()
     prev, seq.last = seq.last, graph
     seq.calls += 1
     call = seq.calls

@@ -31,13 +31,14 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch.distributed as dist
 
 from ._compat import default_store, store_connection
 
 __all__ = [
-    "COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "PeerError", "Waiting", "describe",
+    "COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "PerProcessGroup", "PeerError", "Waiting", "describe",
     "describe_all", "group_id", "note_failure", "release", "start", "wait_for",
 ]
 
@@ -47,6 +48,7 @@ QUIET_S = 1.0  # waiting this long, look at each missing peer (then every LOOK_S
 LOOK_S = 1.0
 LINGER_S = 10.0
 _NS = "fsdp_compile/"
+T = TypeVar("T")
 # A failure note that starts so says the rank was running collectives that its peers did not join.
 COLLECTIVE_FAILED = "a collective failed in"
 DIVERGED_ADVICE = (
@@ -54,6 +56,22 @@ DIVERGED_ADVICE = (
     "(e.g. `if rank == 0: model(x)`), or a rank-dependent graph break? Every rank must call the model the "
     "same number of times, in the same order: evaluate on every rank and all-reduce the metric."
 )
+
+
+class PerProcessGroup(Generic[T]):
+    """State that lives as long as the default process group: after ``destroy_process_group`` and a new
+    ``init_process_group`` (the store is a new one too), :meth:`get` starts afresh from ``factory``."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._world: weakref.ref | None = None
+        self._value: T | None = None
+
+    def get(self) -> T:
+        world = dist.group.WORLD
+        if self._world is None or self._world() is not world:
+            self._world, self._value = weakref.ref(world), self._factory()
+        return self._value  # type: ignore[return-value]
 
 
 class PeerError(RuntimeError):

@@ -6,7 +6,8 @@ Where these move between releases, the fallback belongs here and nowhere else. C
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch._logging._internal import getArtifactLogger
 __all__ = [
     "aot_autograd",
     "compile_fx_inner",
+    "compile_region",
     "compile_time_metrics",
     "default_store",
     "group_timeout_s",
@@ -31,10 +33,12 @@ __all__ = [
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "queue_end_of_backward",
+    "region_schemas_once",
     "register_foreach_type",
     "resolve_group",
     "select_decomp_table",
     "store_connection",
+    "subgraph_inputs_kept",
     "timed",
 ]
 
@@ -141,3 +145,73 @@ def compile_time_metrics() -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics
 
     return {key: float(sum(values)) for key, values in compilation_time_metrics.items()}
+
+
+# More traces of one region than a model has units; past torch's cap (8 in 2.13) Dynamo raises instead
+# of tracing a block whose guards differ (a per-block attribute its forward reads, say) once more.
+_REGION_TRACES = 1 << 20
+
+
+def compile_region(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a ``torch.compiler.nested_compile_region``: traced once by Dynamo and called as one
+    ``invoke_subgraph`` per call, again traced only where a call's guards differ; a no-op eagerly."""
+    try:
+        return torch.compiler.nested_compile_region(fn, max_reuse_entries=_REGION_TRACES)
+    except TypeError:  # torch 2.11: no cap, no reuse of traces (every call is traced, equal graphs shared)
+        return torch.compiler.nested_compile_region(fn)
+
+
+@contextlib.contextmanager
+def region_schemas_once() -> Iterator[None]:
+    """Within the context, each ``invoke_subgraph`` body derives its schema once, not once per call.
+
+    Under autograd, torch checks every call of a body for input mutation by tracing the body again
+    (``HigherOrderOperator.py_autograd_impl -> gen_schema``, torch 2.11 and 2.13): for a model of N
+    identical outlined blocks, N traces of the block during AOTAutograd where one answers. The schema
+    depends only on the body, so calls of one body (by identifier and graph) reuse the first answer.
+    """
+    hop_type = type(torch.ops.higher_order.invoke_subgraph)
+    original = hop_type.gen_schema
+    answers: dict[tuple[object, int], Any] = {}
+
+    def gen_schema(self: Any, subgraph: Any, identifier: Any, *operands: Any) -> Any:
+        graph = getattr(subgraph, "subgraph", subgraph)  # a FunctionalizeCtxWrapper holds the graph
+        key = (identifier, id(graph))
+        if key not in answers:
+            answers[key] = (original(self, subgraph, identifier, *operands), graph)  # keeps graph alive
+        return answers[key][0]
+
+    hop_type.gen_schema = gen_schema
+    try:
+        yield
+    finally:
+        hop_type.gen_schema = original
+
+
+@contextlib.contextmanager
+def subgraph_inputs_kept() -> Iterator[None]:
+    """Within the context, Inductor never reuses an ``invoke_subgraph`` body's inputs in place.
+
+    NOTE [donated subgraph inputs]: a backward graph's saved tensors may be *donated*: Inductor reuses
+    their memory once their last use is done (``bw_donated_idxs``, placeholder positions of the
+    backward graph). A body lowered inside that backward (``SubgraphLowering``) inherits the list and
+    applies it to its *own* placeholder positions (torch 2.11 and 2.13): an input of the body at a
+    position the outer graph donates is then overwritten in place, even when the outer graph reads it
+    (or an alias the body returns) after the call. Seen as wrong gradients from an outlined block at 2
+    ranks: the body wrote its result into its incoming gradient buffer and returned it, and the outer
+    graph reused that buffer at once. A body's inputs belong to the graph that calls it, so none is
+    donated; the outer graph keeps its own donations.
+    """
+    from torch._inductor.graph import SubgraphLowering
+
+    original = SubgraphLowering.__init__
+
+    def __init__(self: Any, parent: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, parent, *args, **kwargs)
+        self.bw_donated_idxs = None
+
+    SubgraphLowering.__init__ = __init__
+    try:
+        yield
+    finally:
+        SubgraphLowering.__init__ = original

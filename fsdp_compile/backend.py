@@ -14,9 +14,10 @@
 4. Inductor compiles each graph (``compile_fx_inner``, the order pinned), or, with ``inductor=False``,
    the scheduled FX graphs run as they are (for debugging).
 
-With ``outline=True`` and Inductor, identical units are outlined first (step 0, on Dynamo's graph):
-each group of identical unit bodies becomes one subgraph that AOTAutograd and Inductor compile once
-(NOTE [outlining]).
+Outlined units (NOTE [outlined units] in ``module.py``) reach the backend as calls of one
+``invoke_subgraph`` body per kind of block; before step 1 their markers move out to the calls
+(``passes/hoist.py``) and are named after the shards they read, and bodies that cannot stay outlined
+(``outline=False``, a marker left inside) are inlined.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 from passes import NamedPass, run_passes
 from passes.bucket import bucket_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
-from passes.outline import outline_units_pass, share_subgraphs_pass
+from passes.hoist import hoist_unshards_pass
+from passes.inline import holds, inline_subgraphs_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
+from passes.share import share_subgraphs_pass
 from passes.streams import check_streams, streams_pass
-from passes.predicates import UnshardArgs, is_unshard
+from passes.predicates import UnshardArgs, is_reduce_grad, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
 from . import agreement, autotune, lockstep
@@ -53,15 +56,18 @@ from ._compat import (
     inductor_pre_grad_passes,
     make_boxed_func,
     min_cut_rematerialization_partition,
+    region_schemas_once,
     resolve_group,
     select_decomp_table,
+    subgraph_inputs_kept,
     timed,
 )
 from .autotune import Choice
 from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule
-from .units import is_sharded
+from .ops import ANONYMOUS_UNIT
+from .units import is_sharded, sharded_param
 
 __all__ = ["BackendOptions", "make_backend", "fsdp_backend", "observe_graphs"]
 
@@ -102,7 +108,7 @@ class BackendOptions:
     calibration: str | None = None
     disabled_passes: tuple[str, ...] = ()
     log_pass_diffs: bool = False
-    outline: bool = False
+    outline: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -132,10 +138,9 @@ class BackendOptions:
         return self.prefetch == "auto" or (self.reduce_scatter_bytes == "auto" and self.hardware is not None)
 
     def outlines(self) -> bool:
-        """Outline identical units (NOTE [outlining]): only for Inductor, which is what it saves time in,
-        and not when the cost model picks settings: it estimates compute node by node and does not see
-        inside a subgraph call."""
-        return self.outline and self.inductor and not self.uses_cost_model()
+        """Keep outlined units' bodies (NOTE [outlined units]), except when the cost model picks
+        settings: it estimates compute node by node and does not see inside a subgraph call."""
+        return self.outline and not self.uses_cost_model()
 
     def cost_model(self) -> Hardware:
         """The hardware model behind estimates and ``"auto"``: the named preset, else this device's."""
@@ -211,13 +216,34 @@ def _read_passed_through_inputs(joint: fx.GraphModule) -> None:
                 user.replace_all_uses_with(node.args[2 + placeholders[results[user.args[1]]]])
 
 
+def _tag_input_views(joint: fx.GraphModule) -> None:
+    """NOTE [reshard through outlined bodies], the body's side: in an outlined body's joint graph, views
+    (and casts) of the body's inputs are must-recompute, so that its forward saves the input itself
+    (which the outer graph then reads from the call's operand) instead of a view of it, such as the
+    transposed weight of a linear layer, which would keep the gathered parameter alive to backward."""
+    for primal in joint.graph.find_nodes(op="placeholder"):
+        if not primal.name.startswith("primals"):
+            continue
+        frontier = list(primal.users)
+        while frontier:
+            user = frontier.pop()
+            if user.op == "call_function" and user.target in _VIEW_OPS and "recompute" not in user.meta:
+                user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                user.meta["ac_graph_id"] = _AC_GRAPH_ID
+                frontier.extend(user.users)
+
+
 def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Inductor's joint-graph passes (as ``torch.compile`` runs them), :func:`_tag_reshard`, then the
-    min-cut partition."""
+    min-cut partition. AOTAutograd partitions each outlined body's joint graph first, with no inputs
+    (``run_joint_graph_passes_on_hops``): those get :func:`_tag_input_views` instead."""
     with timed("fsdp.partition"):
         joint = inductor_joint_graph_passes(joint, joint_inputs)
-        _read_passed_through_inputs(joint)
-        _tag_reshard(joint)
+        if len(joint_inputs) == 0:  # an outlined body
+            _tag_input_views(joint)
+        else:
+            _read_passed_through_inputs(joint)
+            _tag_reshard(joint)
         return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
 
@@ -289,7 +315,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
     # generated code issues collectives and waits in the FX order (tests/test_schedules.py checks
     # the emitted code). Patched per compile, never globally.
     patches = {"reorder_for_peak_memory": False} if options.pin_order else {}
-    with inductor_config_patch(patches):
+    with inductor_config_patch(patches), subgraph_inputs_kept():  # NOTE [donated subgraph inputs]
         return compile_fx_inner(
             gm,
             example_inputs,
@@ -317,7 +343,7 @@ def make_backend(
     calibration: str | os.PathLike[str] | None = None,
     disabled_passes: Sequence[str] = (),
     log_pass_diffs: bool = False,
-    outline: bool = False,
+    outline: bool = True,
 ) -> Any:
     """A ``torch.compile`` backend for models prepared with ``fully_shard``.
 
@@ -388,12 +414,60 @@ def make_backend(
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
-        if options.outlines():
-            with timed("fsdp.outline"):
-                gm = outline_units_pass(gm)
-        return aot(inductor_pre_grad_passes(gm, example_inputs), example_inputs)
+        with timed("fsdp.outline"):
+            gm = _outer_markers(gm, example_inputs, keep_bodies=options.outlines())
+        with region_schemas_once():
+            return aot(inductor_pre_grad_passes(gm, example_inputs), example_inputs)
 
     return backend
+
+
+def _outer_markers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, keep_bodies: bool) -> fx.GraphModule:
+    """Every marker in the outer graph, named: hoisted out of outlined bodies (NOTE [hoisting markers]),
+    bodies that still hold one (or all, unless ``keep_bodies``) inlined, then each anonymous marker
+    given the unit and name of the shard it reads (NOTE [outlined units])."""
+    gm = hoist_unshards_pass(gm)
+    gm = inline_subgraphs_pass(gm, keep=lambda body: keep_bodies and _worth_a_call(body))
+    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    for node in gm.graph.nodes:
+        if not is_unshard(node) or UnshardArgs.of(node).unit != ANONYMOUS_UNIT:
+            continue
+        shard = UnshardArgs.of(node).shard
+        tensor = inputs.get(shard) if shard.op == "placeholder" else _attr(gm, str(shard.target))
+        sp = sharded_param(tensor) if isinstance(tensor, torch.Tensor) else None
+        assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
+        _set_marker_arg(node, "unit", sp.unit.index)
+        _set_marker_arg(node, "name", sp.fqn)
+    gm.recompile()
+    return gm
+
+
+# A body of fewer ops is inlined: a call costs Inductor the fusion of the body's first and last ops with
+# their neighbours, and saves little compile time (a block of one linear layer, say).
+_MIN_BODY_OPS = 8
+
+
+def _worth_a_call(body: fx.GraphModule) -> bool:
+    """Keep an outlined body: no marker left inside (NOTE [hoisting markers]), and enough ops."""
+    if holds(body, lambda n: is_unshard(n) or is_reduce_grad(n)):
+        return False
+    return sum(n.op == "call_function" for n in body.graph.nodes) >= _MIN_BODY_OPS
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    value: object = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _set_marker_arg(node: fx.Node, name: str, value: object) -> None:
+    schema = torch.ops.fsdp.unshard.default._schema
+    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
+    if index < len(node.args):
+        node.update_arg(index, value)
+    else:
+        node.update_kwarg(name, value)
 
 
 def _refuse_unmanaged_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

@@ -1,16 +1,37 @@
 """``FsdpModule``: the class a ``fully_shard`` call mixes into the module's class, as FSDP2 does.
 
 It adds methods only (``set_requires_gradient_sync``); all state lives in the unit registry
-(``units.py``), none on the module.
+(``units.py``), none on the module. An *outlined* unit's class also compiles its forward once for every
+unit of the same class (NOTE [outlined units]).
+
+NOTE [outlined units]: a deep model is mostly one block repeated. A whole-model graph hands Dynamo,
+AOTAutograd and Inductor one copy of the block's ops per block, so compile time grows with depth. An
+outlined unit's ``forward`` is a ``torch.compiler.nested_compile_region``: Dynamo traces it once and
+emits every block as a call of one ``invoke_subgraph`` body, which AOTAutograd partitions once and
+Inductor compiles once. For that, the body's trace must be the same for every block, and the
+``fsdp::unshard`` markers inside it are what differ: each names its unit and parameter. So compiled code
+passes the markers of outlined units without those two (``ShardedParam.traced_args``), and the backend
+fills them in from the shards each call is handed, after it has moved the markers out of the body to
+the call (``passes/hoist.py``). The outer graph then holds every unit's markers, as a whole-model graph
+does, and the passes place all-gathers and reduce-scatters across unit boundaries exactly as before.
+
+Which units: ``fully_shard(..., outline=None)`` (default) outlines a unit that holds no other unit and
+shares its ``forward`` with at least one other such unit (the blocks of a transformer, not its root);
+``outline=True`` or ``False`` decides for that unit. A forward that Dynamo cannot trace whole (a graph
+break inside the block) cannot be a region: shard such blocks with ``outline=False``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch import nn
 
+from ._compat import compile_region
 from .accumulate import set_requires_gradient_sync
 
-__all__ = ["FsdpModule", "mix_in"]
+__all__ = ["FsdpModule", "mix_in", "forward_of"]
 
 
 class FsdpModule:
@@ -22,14 +43,33 @@ class FsdpModule:
         set_requires_gradient_sync(self, requires_gradient_sync, recurse=recurse)
 
 
-_classes: dict[type, type] = {}
+_classes: dict[tuple[type, bool], type] = {}
+_regions: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-def mix_in(module: nn.Module) -> None:
-    """Make ``module`` an instance of ``FsdpModule`` too (one generated class per original class)."""
-    cls = type(module)
+def _base(cls: type) -> type:
+    """The class ``fully_shard`` found (the user's, or the one parametrizations made from it)."""
     if issubclass(cls, FsdpModule):
-        return
-    if cls not in _classes:
-        _classes[cls] = type(f"Fsdp{cls.__name__}", (FsdpModule, cls), {})
-    module.__class__ = _classes[cls]
+        return next(b for b in cls.__bases__ if b is not FsdpModule)
+    return cls
+
+
+def forward_of(module: nn.Module) -> Callable[..., Any]:
+    """The user's ``forward`` function of ``module``'s class (outlined units of one forward share a body)."""
+    return _base(type(module)).forward
+
+
+def mix_in(module: nn.Module, *, outlined: bool = False) -> None:
+    """Make ``module`` an instance of ``FsdpModule`` too (one generated class per original class), whose
+    ``forward`` is a compile region when ``outlined``."""
+    base = _base(type(module))
+    key = (base, outlined)
+    if key not in _classes:
+        body: dict[str, Any] = {}
+        if outlined:
+            forward = base.forward
+            if forward not in _regions:
+                _regions[forward] = compile_region(forward)
+            body["forward"] = _regions[forward]
+        _classes[key] = type(f"Fsdp{base.__name__}", (FsdpModule, base), body)
+    module.__class__ = _classes[key]

@@ -21,9 +21,14 @@ import warnings
 import torch
 from torch import Tensor
 
-__all__ = ["unshard", "reduce_grad", "reduce_full_grad", "shard_rows"]
+__all__ = ["ANONYMOUS_UNIT", "unshard", "reduce_grad", "reduce_full_grad", "shard_rows"]
 
 _NAMESPACE = "fsdp"
+
+# The unit argument of a marker traced inside an outlined unit's forward, which every unit of its kind
+# shares: the backend fills in the unit (and the name, traced as "") from the shard (NOTE [outlined
+# units] in module.py).
+ANONYMOUS_UNIT = -1
 
 _warned = threading.Event()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import fx
 
 from passes.predicates import collective_kind, fsdp_meta, is_collective, is_wait, op_name, tensor_bytes, waited_collective
@@ -49,12 +50,18 @@ class Row:
             return ""
         names = []
         for n in self.nodes:
-            name = op_name(n)
+            name = _label(n)
             if name not in _QUIET and name not in names:
                 names.append(name)
         return " ".join(names)
 
 
+def _label(node: fx.Node) -> str:
+    """A node's name in a compute run: its op, or ``call <body>`` for an outlined unit's body
+    (``call fw_subgraph_0_0``: the forward of Dynamo's first body; its backward is ``bw_...``)."""
+    if node.target is torch.ops.higher_order.invoke_subgraph and isinstance(node.args[0], fx.Node):
+        return "call " + str(node.args[0].target).removeprefix("partitioned_")
+    return op_name(node)
 
 
 def _full_bytes(launch: fx.Node) -> int:

@@ -10,6 +10,7 @@ then on the root, as with FSDP2. After the call, each of the unit's parameters i
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -20,8 +21,8 @@ from torch.nn.utils import parametrize
 from .gathered import gathered
 from .grads import ShardGrad, as_shard_grad
 from .groups import FsdpGroups
-from .module import FsdpModule, mix_in
-from .ops import shard_rows
+from .module import FsdpModule, forward_of, mix_in
+from .ops import ANONYMOUS_UNIT, shard_rows
 from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of
 
 __all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "local_shard", "unit_of"]
@@ -40,9 +41,9 @@ class Unshard(nn.Module):
         # The constant arguments are computed once (``marker_args``), not re-read per trace: Dynamo
         # traces this for every parameter read.
         accumulate = p.accumulator if (not unit.requires_grad_sync or unit.pending) else None
-        full = torch.ops.fsdp.unshard(shard, *p.marker_args, accumulate)
         if torch.compiler.is_compiling():
-            return full
+            return torch.ops.fsdp.unshard(shard, *p.traced_args, accumulate)  # NOTE [outlined units]
+        full = torch.ops.fsdp.unshard(shard, *p.marker_args, accumulate)
         return gathered(full, p)  # NOTE [reading a sharded parameter]
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
@@ -112,12 +113,17 @@ def fully_shard(
     groups: FsdpGroups,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    outline: bool | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters that no earlier ``fully_shard`` call took, as one unit.
 
     Call it on each block first, then on the root. ``groups`` comes from ``FsdpGroups.create()``,
     made once per process. With ``reshard_after_forward`` (default) the forward keeps only shards and
     the backward gathers again; with ``False`` the gathered params are kept from forward to backward.
+    ``outline``: compile this unit's forward once for every unit with the same forward (NOTE [outlined
+    units] in ``module.py``); ``None`` (default) outlines a unit that holds no other unit and shares
+    its forward with another one, such as a transformer's blocks. Use ``False`` for a block whose
+    forward Dynamo cannot trace whole (a graph break inside it).
     Returns ``module`` (sharded in place). Buffers stay replicated; frozen parameters are gathered
     but never reduced.
     """
@@ -141,6 +147,8 @@ def fully_shard(
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
+    if outline is not None and not isinstance(outline, bool):
+        raise TypeError(f"fully_shard: outline must be True, False or None (decide), got {outline!r}.")
 
     _check_order(module, unit_name)
     # Which (owner, name, param) does this unit take? Everything not managed yet; a param that an
@@ -172,6 +180,7 @@ def fully_shard(
         groups=groups,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
+        outline=outline,
     )
     seen: dict[nn.Parameter, ShardedParam] = {}
     for owner, fqn, p in new:
@@ -190,7 +199,6 @@ def fully_shard(
     _units[module] = unit
     _renumber_subunits(module, unit)
     _cast_hooks(module, mp_policy)
-    mix_in(module)
     return module
 
 
@@ -275,10 +283,44 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
             order.append(sub)
     root_unit.fqn = ""
     order.append(root_unit)
+    _choose_outlined(order)
     for i, unit in enumerate(order):
         unit.index = i
         for sp in unit.params:
             sp.marker_args = _marker_args(sp)
+            sp.traced_args = _anonymous(sp.marker_args) if unit.outlined else sp.marker_args
+
+
+def _choose_outlined(units: list[Unit]) -> None:
+    """NOTE [outlined units]: outline the units that hold no other unit and share their forward with
+    another such unit, unless ``fully_shard(outline=)`` said otherwise; switch their classes."""
+    inside: dict[int, list[Unit]] = {id(u): [] for u in units}
+    for outer in units:
+        mods = {id(m) for m in outer.module.modules()}
+        inside[id(outer)] = [u for u in units if u is not outer and id(u.module) in mods]
+    leaves = [u for u in units if not inside[id(u)]]
+    forwards = Counter(forward_of(u.module) for u in leaves)
+    for unit in units:
+        if unit.outline and inside[id(unit)]:
+            names = ", ".join(repr(u.fqn) for u in inside[id(unit)][:3])
+            raise ValueError(
+                f"fully_shard({class_name(unit.module)}): outline=True, but it holds other units ({names}); a unit "
+                "that holds others cannot be outlined. Outline the inner units instead (outline=True on them, "
+                "or leave outline=None)."
+            )
+        decided = unit.outline if unit.outline is not None else forwards.get(forward_of(unit.module), 0) >= 2
+        unit.outlined = bool(decided) and not inside[id(unit)]
+        mix_in(unit.module, outlined=unit.outlined)
+
+
+def _anonymous(marker_args: tuple) -> tuple:
+    """``marker_args`` with the unit and the parameter name left out (``ops.ANONYMOUS_UNIT``, ``""``)."""
+    args = list(marker_args)
+    args[_UNIT_ARG], args[_NAME_ARG] = ANONYMOUS_UNIT, ""
+    return tuple(args)
+
+
+_UNIT_ARG, _NAME_ARG = 2, 3  # positions in _marker_args' tuple
 
 
 def _marker_args(p: ShardedParam) -> tuple:

@@ -15,7 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .groups import FsdpGroups
 
-__all__ = ["MixedPrecisionPolicy", "ShardedParam", "Unit", "is_sharded", "unit_of", "units_under"]
+__all__ = ["MixedPrecisionPolicy", "ShardedParam", "Unit", "is_sharded", "sharded_param", "unit_of", "units_under"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ class Unit:
     mp_policy: MixedPrecisionPolicy
     fqn: str = ""
     params: list[ShardedParam] = field(default_factory=list)
+    outline: bool | None = None  # what fully_shard(outline=) asked for; None: decide (NOTE [outlined units])
+    outlined: bool = False  # its forward is compiled once for every unit of its class (NOTE [outlined units])
     requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py
     pending: bool = False  # accumulated full gradients not yet reduced
     flush_queued: bool = False
@@ -70,6 +72,7 @@ class ShardedParam:
     real_rows: int = 0  # rows of ``shard`` that are the param's (the rest are padding, NOTE [padding])
     accumulator: Tensor | None = None  # the leaf that collects full grads without sync (accumulate.py)
     marker_args: tuple = ()  # fsdp::unshard's constant arguments, set whenever units are (re)numbered
+    traced_args: tuple = ()  # what compiled code passes instead: no unit or name when outlined (NOTE [outlined units])
 
     @property
     def fqn(self) -> str:
@@ -90,6 +93,11 @@ def unit_of(module: nn.Module) -> Unit | None:
 def units_under(module: nn.Module) -> list[Unit]:
     """The units of ``module`` and its submodules, in module order."""
     return [u for m in module.modules() if (u := _units.get(m)) is not None]
+
+
+def sharded_param(tensor: Tensor) -> ShardedParam | None:
+    """The managed parameter whose shard ``tensor`` is, or ``None``."""
+    return _params.get(tensor)
 
 
 def is_sharded(tensor: Tensor) -> bool:

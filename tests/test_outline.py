@@ -1,26 +1,28 @@
-"""Outlining (passes/outline.py): identical units become calls of one subgraph; the schedule still sees
-every unit's collectives; training does not compile again after its first step."""
+"""Outlined units (NOTE [outlined units] in fsdp_compile/module.py): identical blocks are one
+``invoke_subgraph`` body, compiled once; their markers move out to the calls (passes/hoist.py), so the
+schedule still sees every unit's collectives; backward gathers again; nothing compiles after step 1."""
 
 from __future__ import annotations
 
-import operator
 import warnings
 
 import torch
-from torch import fx
+from torch import fx, nn
 
-from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, loss_fn
-from passes.outline import outline_units_pass
-from passes.predicates import UnshardArgs, is_all_gather, is_unshard
+from fsdp_compile.schedule import graph_group_labels, group_labels, listing
+from passes.hoist import hoist_unshards_pass
+from passes.inline import inline_subgraphs_pass
+from passes.predicates import UnshardArgs, is_all_gather, is_collective, is_unshard
 
-from .graph_utils import SMALL, FakeWorldTestCase, ThreeUnits, _is_view, gathered_values, shard_blocks_then_root
+from .graph_utils import SMALL, FakeWorldTestCase, ThreeUnits, capture, gathered_values, shard_blocks_then_root
 
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
 
-def dynamo_graph(model: torch.nn.Module, *inputs: torch.Tensor) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+def dynamo_graph(model: nn.Module, *inputs: torch.Tensor) -> tuple[fx.GraphModule, list[torch.Tensor]]:
     """The graph Dynamo hands a backend for ``model(*inputs)``, and its example inputs."""
     graphs: list[tuple[fx.GraphModule, list[torch.Tensor]]] = []
 
@@ -39,48 +41,140 @@ def calls(gm: fx.GraphModule) -> list[fx.Node]:
     return list(gm.graph.find_nodes(op="call_function", target=invoke_subgraph))
 
 
-class OutlineTest(FakeWorldTestCase):
-    def sharded_small(self, layers: int = 3) -> torch.nn.Module:
-        torch.manual_seed(0)
-        return shard_blocks_then_root(Transformer(SMALL.with_(n_layers=layers)), FsdpGroups.create())
+class MlpBlock(nn.Module):
+    """A block big enough to stay outlined (8 ops or more, see ``backend._MIN_BODY_OPS``)."""
 
-    def test_identical_blocks_call_one_subgraph_and_markers_stay_outside(self) -> None:
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.up(x))
+        h = self.down(h) * torch.sigmoid(h[..., : x.shape[-1]])
+        return torch.tanh(x + h).clamp(-3.0, 3.0) * 0.5 + x
+
+
+class Mlp(nn.Module):
+    def __init__(self, n_layers: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MlpBlock(width) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class OutlineTest(FakeWorldTestCase):
+    def sharded_small(self, layers: int = 3, **kw: object) -> nn.Module:
+        torch.manual_seed(0)
+        return shard_blocks_then_root(Transformer(SMALL.with_(n_layers=layers)), FsdpGroups.create(), **kw)
+
+    def test_blocks_are_outlined_and_the_root_is_not(self) -> None:
+        model = self.sharded_small()
+        self.assertEqual([type(b).__name__ for b in model.layers], ["FsdpBlock"] * 3)
+        self.assertTrue(all(b.forward.__func__ is model.layers[0].forward.__func__ for b in model.layers))
+        self.assertIsNot(type(model).forward, type(model.layers[0]).forward)
+        # A compile region is a no-op eagerly: the model still runs uncompiled.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.assertEqual(model(torch.randint(0, SMALL.vocab_size, (2, 8))).shape, (2, 8, SMALL.vocab_size))
+
+    def test_dynamo_traces_one_body_and_hoisting_moves_every_marker_out(self) -> None:
         tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
         gm, example = dynamo_graph(self.sharded_small(), tokens)
-        markers = [UnshardArgs.of(n).name for n in gm.graph.nodes if is_unshard(n)]
+        invokes = calls(gm)
+        self.assertEqual(len(invokes), 3)  # one per block
+        self.assertEqual(len({n.args[0].target for n in invokes}), 1)  # ... of one body
+        body = getattr(gm, invokes[0].args[0].target)
+        # Inside the body the markers carry no unit and no name: every block traces alike.
+        inside = [UnshardArgs.of(n) for n in body.graph.nodes if is_unshard(n)]
+        self.assertEqual({(a.unit, a.name) for a in inside}, {(-1, "")})
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             expected = gm(*example)
-        out = outline_units_pass(gm)
-        invokes = calls(out)
-        self.assertEqual(len(invokes), 3)  # one per block; the root unit stays inline
-        self.assertEqual({n.args[1] for n in invokes}, {"fsdp_unit_body_0"})
-        self.assertEqual(len({n.args[0].target for n in invokes}), 1)
-        # Every unit's markers are still in the outer graph, read by the calls: the passes see them all.
-        self.assertEqual([UnshardArgs.of(n).name for n in out.graph.nodes if is_unshard(n)], markers)
-        for call in invokes:
-            self.assertTrue(any(is_unshard(a) for a in call.args[2:] if isinstance(a, fx.Node)))
-        body = getattr(out, invokes[0].args[0].target)
-        self.assertFalse(any(is_unshard(n) for n in body.graph.nodes))
+        out = hoist_unshards_pass(gm)
+        self.assertFalse(any(is_unshard(n) for n in getattr(out, calls(out)[0].args[0].target).graph.nodes))
+        for call in calls(out):  # each call gathers its own block's 9 params before it
+            self.assertEqual(sum(is_unshard(a) for a in call.args[2:] if isinstance(a, fx.Node)), 9)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.testing.assert_close(out(*example), expected)
+        # Inlining gives back a whole-model graph with the same result and no call left.
+        whole = inline_subgraphs_pass(out)
+        self.assertEqual(calls(whole), [])
+        self.assertEqual(sum(map(is_unshard, whole.graph.nodes)), 9 * 3 + 3)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(whole(*example), expected)
+
+    def test_outlined_schedule(self) -> None:
+        groups = FsdpGroups.create()
+        torch.manual_seed(0)
+        model = shard_blocks_then_root(Mlp(), groups)
+        graphs = capture(model, torch.randn(4, 8, requires_grad=True))
+        labels = group_labels(groups)
+        fwd, bwd = listing(graphs["forward"], labels), listing(graphs["backward"], labels)
+        # Forward: each block is one call of one body; the collectives stay in the outer graph, scheduled
+        # across calls as for inline units (unit 1's all-gather issued before unit 0's call).
+        self.assertExpectedInline(fwd, """\
+0  pack            unit 0  ag
+1  all_gather      unit 0  ag     all_gather      1120 B
+2  pack            unit 1  ag
+3  all_gather      unit 1  ag     all_gather      1120 B
+4  wait            unit 0  ag     all_gather
+5  unpack          unit 0  ag
+6  compute         call fw_subgraph_0_0  (5 nodes)
+7  pack            unit 2  ag
+8  all_gather      unit 2  ag     all_gather      1120 B
+9  wait            unit 1  ag     all_gather
+10 unpack          unit 1  ag
+11 compute         call fw_subgraph_0_0  (5 nodes)
+12 wait            unit 2  ag     all_gather
+13 unpack          unit 2  ag
+14 compute         call fw_subgraph_0_0  (5 nodes)""")
+        # Backward: every unit is gathered again (the body saved no view of a gathered param), the next
+        # unit prefetched under each call, and each reduce-scatter issued right after its call.
+        self.assertExpectedInline(bwd, """\
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      1024 B
+2  pack            unit 1  ag
+3  all_gather      unit 1  ag     all_gather      1024 B
+4  wait            unit 2  ag     all_gather
+5  unpack          unit 2  ag
+6  compute         call bw_subgraph_0_0  (6 nodes)
+7  pack            unit 2  rs
+8  reduce_scatter  unit 2  rs     reduce_scatter  1120 B
+9  pack            unit 0  ag
+10 all_gather      unit 0  ag     all_gather      1024 B
+11 wait            unit 1  ag     all_gather
+12 unpack          unit 1  ag
+13 compute         call bw_subgraph_0_0  (6 nodes)
+14 pack            unit 1  rs
+15 reduce_scatter  unit 1  rs     reduce_scatter  1120 B
+16 wait            unit 0  ag     all_gather
+17 unpack          unit 0  ag
+18 compute         call bw_subgraph_0_0  (6 nodes)
+19 wait            unit 2  rs     reduce_scatter
+20 unpack          unit 2  rs
+21 pack            unit 0  rs
+22 reduce_scatter  unit 0  rs     reduce_scatter  1120 B
+23 wait            unit 1  rs     reduce_scatter
+24 wait            unit 0  rs     reduce_scatter
+25 unpack          unit 1  rs
+26 unpack          unit 0  rs""")
 
     def test_small_bodies_stay_inline(self) -> None:
-        # ThreeUnits' bodies are one linear each: below min_ops, not worth a call.
-        gm, _ = dynamo_graph(shard_blocks_then_root(ThreeUnits(), FsdpGroups.create()), torch.randn(4, 8))
-        self.assertEqual(calls(outline_units_pass(gm)), [])
-        # With no minimum, units 1 and 2 share a body; unit 0 reads the input, which needs no grad:
-        # different metadata, so it stays inline (a group of one).
-        self.assertEqual(len(calls(outline_units_pass(gm, min_ops=1))), 2)
+        # ThreeUnits' blocks are one linear layer each: below the minimum, inlined as before.
+        graphs = capture(shard_blocks_then_root(ThreeUnits(), FsdpGroups.create()), torch.randn(4, 8))
+        self.assertEqual(calls(graphs["forward"]), [])
+        self.assertEqual(calls(graphs["backward"]), [])
 
-    def saved_gathered(self, reshard: bool) -> tuple[dict[str, fx.GraphModule], list[fx.Node]]:
-        """Compile and step the 3-block model; return its graphs and the forward outputs (what backward
-        reads) that are gathered params or views of them, looking through subgraph calls."""
-        torch.manual_seed(0)
-        model = shard_blocks_then_root(Transformer(SMALL.with_(n_layers=3)), FsdpGroups.create(),
-                                       reshard_after_forward=reshard)
-        model = torch.compile(model, backend=make_backend(outline=True))
+    def saved_gathered(self, **shard_kw: object) -> tuple[dict[str, fx.GraphModule], list[fx.Node]]:
+        """Compile and step the 3-block model (Inductor); return its graphs and the forward outputs
+        (what backward reads) that are gathered params or views of them, looking through calls."""
+        model = torch.compile(self.sharded_small(**shard_kw), backend=make_backend())
         tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
         with observe_graphs() as seen:
             loss_fn(model(tokens), tokens).backward()
@@ -93,35 +187,46 @@ class OutlineTest(FakeWorldTestCase):
             (results,) = body.graph.find_nodes(op="output")[0].args
             for user in call.users:
                 source = results[user.args[1]]
-                while source.op == "call_function" and _is_view(source):
+                while source.op == "call_function" and source.target in _VIEWS:
                     source = source.args[0]
                 if source in inputs and call.args[2 + inputs.index(source)] in gathered:
                     gathered.add(user)
         (outputs,) = fw.graph.find_nodes(op="output")[0].args
         return graphs, [o for o in outputs if o in gathered]
 
-    def test_outlined_backward_reads_gathered_params_from_the_outer_graph(self) -> None:
-        # NOTE [reshard through outlined bodies]: a param the body passes through to its backward is
-        # read from the outer graph, where its unshard is recomputed: backward gathers every unit.
-        graphs, saved = self.saved_gathered(reshard=True)
+    def test_outlined_units_reshard_after_forward(self) -> None:
+        # NOTE [reshard through outlined bodies]: no gathered param, nor a view of one, is saved for
+        # backward; backward gathers every unit again.
+        graphs, saved = self.saved_gathered()
         self.assertEqual(len(calls(graphs["forward"])), 3)
         self.assertEqual(len(calls(graphs["backward"])), 3)
+        self.assertEqual(saved, [])
         gathered = [n.meta["fsdp"]["unit"] for n in graphs["backward"].graph.nodes if is_all_gather(n)]
         self.assertEqual(sorted(gathered), [0, 1, 2, 3])
-        # Known cost (NOTE [outlining: what was tried]): views the body saves (transposed weights)
-        # still reach backward through the forward call; never the params themselves.
-        self.assertTrue(all(n.target is operator.getitem for n in saved))
 
-    def test_units_without_reshard_stay_inline(self) -> None:
-        # NOTE [outlining: what was tried]: reshard_after_forward=False units are not outlined.
-        graphs, saved = self.saved_gathered(reshard=False)
-        self.assertEqual(calls(graphs["forward"]), [])
+    def test_outlined_units_without_reshard_keep_their_params(self) -> None:
+        graphs, saved = self.saved_gathered(reshard_after_forward=False)
+        self.assertEqual(len(calls(graphs["forward"])), 3)
         self.assertEqual([n for n in graphs["backward"].graph.nodes if is_all_gather(n)], [])
         self.assertTrue(saved)
 
+    def test_switching_outlining_off(self) -> None:
+        # fully_shard(outline=False): the block's forward is no region; make_backend(outline=False):
+        # the backend inlines the regions Dynamo made. Either way, the same whole-model schedule.
+        tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
+        plain = capture(self.sharded_small(outline=False), tokens)
+        torch._dynamo.reset()
+        inlined = capture(self.sharded_small(), tokens, outline=False)
+        for kind in ("forward", "backward"):
+            self.assertEqual(calls(plain[kind]), [])
+            self.assertEqual(listing(plain[kind], graph_group_labels(plain[kind])),
+                             listing(inlined[kind], graph_group_labels(inlined[kind])))
+            self.assertEqual([n.meta["fsdp"]["unit"] for n in plain[kind].graph.nodes if is_collective(n)],
+                             [n.meta["fsdp"]["unit"] for n in inlined[kind].graph.nodes if is_collective(n)])
+
     def test_training_compiles_once(self) -> None:
         model = self.sharded_small(layers=2)
-        compiled = torch.compile(model, backend=make_backend(outline=True))
+        compiled = torch.compile(model, backend=make_backend())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
         counts = []
@@ -134,11 +239,6 @@ class OutlineTest(FakeWorldTestCase):
         self.assertEqual(counts, [2, 0, 0, 0])  # forward and backward at step 1, nothing after
 
 
-def test_outlined_training_matches_the_reference_at_two_ranks() -> None:
-    from fsdp_compile.launch import run_ranks
-
-    from .test_numerics import check
-    from .workers import Case, train_case
-
-    case = Case(optim="adamw", backend_kw={"outline": True})
-    check(run_ranks(train_case, 2, case), steps=case.steps)
+_VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.permute.default,
+          torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default,
+          torch.ops.prims.convert_element_type.default}

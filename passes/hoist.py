@@ -1,0 +1,99 @@
+"""Move the ``fsdp::unshard`` markers out of outlined bodies to every call of the body.
+
+NOTE [hoisting markers]: an outlined unit's forward reaches the backend as one ``invoke_subgraph`` body
+called once per unit (NOTE [outlined units] in fsdp_compile/module.py); each call passes the unit's
+shards, and the body gathers them with markers of its own. The passes schedule collectives in the
+outer graph, so this pass moves each marker that reads only body inputs out to the calls: the body
+takes the gathered parameter instead of the shard, and each call gathers its own unit's shard::
+
+    before:  body(x, s_a, s_b):  w_a = unshard(s_a, ...); w_b = unshard(s_b, ...); <block ops>(x, w_a, w_b)
+             h1 = invoke_subgraph(body, x0, s0_a, s0_b)[0]; h2 = invoke_subgraph(body, h1, s1_a, s1_b)[0]
+    after:   body(x, w_a, w_b):  <block ops>(x, w_a, w_b)
+             h1 = invoke_subgraph(body, x0, unshard(s0_a), unshard(s0_b))[0]; h2 = ...(h1, unshard(s1_a), ...)
+
+The markers keep their arguments (the backend names their unit afterwards, from the shard). A marker
+reading a value computed in the body stays where it is (the backend then inlines that body).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from .predicates import is_unshard
+
+__all__ = ["hoist_unshards_pass", "subgraph_calls"]
+
+invoke_subgraph = torch.ops.higher_order.invoke_subgraph
+
+
+def subgraph_calls(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """``invoke_subgraph`` calls of ``gm`` by the attribute that holds their body, in graph order."""
+    out: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.find_nodes(op="call_function", target=invoke_subgraph):
+        attr = node.args[0]
+        if isinstance(attr, fx.Node) and attr.op == "get_attr":
+            out.setdefault(str(attr.target), []).append(node)
+    return out
+
+
+def _hoistable(marker: fx.Node, placeholders: set[fx.Node]) -> bool:
+    """``placeholder (shard) [, placeholder (accumulator)] -> unshard``: reads body inputs only."""
+    return all(i in placeholders for i in marker.all_input_nodes)
+
+
+def _fresh(val: object) -> object:
+    """A new fake tensor like ``val`` (a value of its own for each node that is given one)."""
+    if isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
+        with val.fake_mode:
+            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+    return val
+
+
+def _hoist_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> None:
+    body: fx.GraphModule = getattr(gm, name)
+    graph = body.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    markers = [n for n in graph.nodes if is_unshard(n) and _hoistable(n, set(placeholders))]
+    if not markers:
+        return
+    # Each call: the same markers, on its own operands, before it (first, while the markers still
+    # read the body's inputs).
+    position = {p: i for i, p in enumerate(placeholders)}
+    unread = {p for p in placeholders if all(u in markers for u in p.users)}
+    kept = [p for p in placeholders if p not in unread]
+    for call in calls:
+        operands = list(call.args[2:])
+        env = {p: operands[position[p]] for p in placeholders}
+        gathered = []
+        for marker in markers:
+            with gm.graph.inserting_before(call):
+                outer = gm.graph.node_copy(marker, lambda n: env[n])
+            for key in ("example_value", "val"):
+                if key in marker.meta:
+                    outer.meta[key] = _fresh(marker.meta[key])
+            gathered.append(outer)
+        call.args = (call.args[0], call.args[1], *[env[p] for p in kept], *gathered)
+    # The body: each marker becomes a new input after the existing ones; inputs only they read go.
+    last = placeholders[-1]
+    for marker in markers:
+        with graph.inserting_after(last):
+            p = graph.placeholder(f"{marker.name}_gathered")
+        p.meta.update(marker.meta)
+        marker.replace_all_uses_with(p)
+        graph.erase_node(marker)
+        last = p
+    for p in unread:
+        graph.erase_node(p)
+    graph.lint()
+    body.recompile()
+
+
+def hoist_unshards_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """NOTE [hoisting markers]: markers that read only body inputs move from each outlined body to its
+    calls; the body takes the gathered parameters as inputs."""
+    for name, calls in subgraph_calls(gm).items():
+        _hoist_body(gm, name, calls)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,81 @@
+"""Inline ``invoke_subgraph`` calls: each call is replaced by a copy of its body's nodes.
+
+Where an outlined body cannot be kept (``make_backend(outline=False)``, a marker that could not be
+hoisted, a cost model that estimates op by op), the graph becomes the whole-model graph Dynamo would
+have traced without the region::
+
+    before:  h1 = invoke_subgraph(body, 'id', x0, w0)[0]
+    after:   h1 = <body ops>(x0, w0)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+from torch import fx
+
+from .hoist import subgraph_calls
+
+__all__ = ["holds", "inline_subgraphs_pass"]
+
+
+def _inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule) -> None:
+    operands = list(call.args[2:])
+    env: dict[fx.Node, object] = {}
+    placeholders = body.graph.find_nodes(op="placeholder")
+    for p, operand in zip(placeholders, operands, strict=True):
+        env[p] = operand
+    results: tuple[object, ...] = ()
+    for node in body.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            results = tuple(fx.node.map_arg(node.args[0], lambda n: env[n]))
+            continue
+        if node.op == "get_attr":  # a constant or nested body of the body: carried over by name
+            target = str(node.target)
+            name = f"{call.name}_{target.replace('.', '_')}"
+            setattr(gm, name, getattr(body, target))
+            with gm.graph.inserting_before(call):
+                env[node] = gm.graph.get_attr(name)
+            env[node].meta.update(node.meta)  # type: ignore[union-attr]
+            continue
+        with gm.graph.inserting_before(call):
+            env[node] = gm.graph.node_copy(node, lambda n: env[n])  # type: ignore[arg-type,return-value]
+    for user in list(call.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(results[user.args[1]])  # type: ignore[arg-type,index]
+            gm.graph.erase_node(user)
+    assert not call.users, call
+    attr = call.args[0]
+    gm.graph.erase_node(call)
+    if isinstance(attr, fx.Node) and not attr.users:
+        gm.graph.erase_node(attr)
+
+
+def inline_subgraphs_pass(gm: fx.GraphModule, *,
+                          keep: Callable[[fx.GraphModule], bool] = lambda body: False) -> fx.GraphModule:
+    """Inline every ``invoke_subgraph`` call whose body ``keep`` does not accept (default: all)."""
+    for name, calls in subgraph_calls(gm).items():
+        body = getattr(gm, name)
+        if keep(body):
+            continue
+        for call in calls:
+            _inline_call(gm, call, body)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def holds(body: fx.GraphModule, predicate: Callable[[fx.Node], bool]) -> bool:
+    """Whether any node of ``body`` (or of a body nested in it) matches ``predicate``."""
+    for node in body.graph.nodes:
+        if predicate(node):
+            return True
+        if node.op == "get_attr":
+            inner = getattr(body, str(node.target), None)
+            if isinstance(inner, fx.GraphModule) and holds(inner, predicate):
+                return True
+    return False

@@ -40,6 +40,7 @@ __all__ = [
     "store_connection",
     "subgraph_inputs_kept",
     "timed",
+    "traced_for",
 ]
 
 
@@ -215,3 +216,22 @@ def subgraph_inputs_kept() -> Iterator[None]:
         yield
     finally:
         SubgraphLowering.__init__ = original
+
+
+def traced_for() -> Any:
+    """The backend that the graph Dynamo is tracing right now will be handed to, unwrapped (``None``
+    outside a trace). Called through :func:`torch._dynamo.assume_constant_result`, Dynamo runs it while
+    tracing and keeps its answer as a constant of the graph."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = getattr(InstructionTranslator, "current_tx", lambda: None)()
+    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    seen: set[int] = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        inner = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "__wrapped__", None)
+                 or getattr(fn, "compiler_fn", None))
+        if inner is None:
+            return fn
+        fn = inner
+    return fn

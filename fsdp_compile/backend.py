@@ -66,6 +66,7 @@ from .autotune import Choice
 from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule
+from .module import OUTLINES
 from .ops import ANONYMOUS_UNIT
 from .units import is_sharded, sharded_param
 
@@ -314,7 +315,10 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
     # their waits (prefetches sink, reduce-scatter waits rise), undoing the schedule. With it off, the
     # generated code issues collectives and waits in the FX order (tests/test_schedules.py checks
     # the emitted code). Patched per compile, never globally.
-    patches = {"reorder_for_peak_memory": False} if options.pin_order else {}
+    # With outlined bodies, Inductor's memory reordering gave wrong gradients (NOTE [regions for our
+    # backend only] in module.py): it stays off for them even with pin_order=False.
+    calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    patches = {"reorder_for_peak_memory": False} if options.pin_order or calls else {}
     with inductor_config_patch(patches), subgraph_inputs_kept():  # NOTE [donated subgraph inputs]
         return compile_fx_inner(
             gm,
@@ -419,27 +423,62 @@ def make_backend(
         with region_schemas_once():
             return aot(inductor_pre_grad_passes(gm, example_inputs), example_inputs)
 
+    setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]
     return backend
 
 
 def _outer_markers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, keep_bodies: bool) -> fx.GraphModule:
-    """Every marker in the outer graph, named: hoisted out of outlined bodies (NOTE [hoisting markers]),
-    bodies that still hold one (or all, unless ``keep_bodies``) inlined, then each anonymous marker
-    given the unit and name of the shard it reads (NOTE [outlined units])."""
+    """Every marker outside outlined bodies, and named: hoisted out of them (NOTE [hoisting markers]),
+    bodies that still hold one (or all, unless ``keep_bodies``) inlined, outlined units called inside
+    another higher-order op's body (an activation-checkpointed block) inlined there, then each
+    anonymous marker given the unit and name of the shard it reads (NOTE [outlined units])."""
     gm = hoist_unshards_pass(gm)
     gm = inline_subgraphs_pass(gm, keep=lambda body: keep_bodies and _worth_a_call(body))
-    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
-    for node in gm.graph.nodes:
-        if not is_unshard(node) or UnshardArgs.of(node).unit != ANONYMOUS_UNIT:
-            continue
-        shard = UnshardArgs.of(node).shard
-        tensor = inputs.get(shard) if shard.op == "placeholder" else _attr(gm, str(shard.target))
-        sp = sharded_param(tensor) if isinstance(tensor, torch.Tensor) else None
-        assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
-        _set_marker_arg(node, "unit", sp.unit.index)
-        _set_marker_arg(node, "name", sp.fqn)
+    for body, _ in _hop_bodies(gm):
+        inline_subgraphs_pass(body)
+    _name_markers(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
     gm.recompile()
     return gm
+
+
+# Higher-order ops whose body reads the call's operands from this argument on, in order.
+_HOP_OPERANDS = {torch.ops.higher_order.invoke_subgraph: 2, torch.ops.higher_order.tag_activation_checkpoint: 1}
+
+
+def _hop_bodies(gm: fx.GraphModule) -> Iterator[tuple[fx.GraphModule, fx.Node]]:
+    """Each (body, call) of a higher-order op in ``gm``, and in their bodies, outermost first."""
+    for node in list(gm.graph.nodes):
+        attr = node.args[0] if node.op == "call_function" and node.target in _HOP_OPERANDS else None
+        if isinstance(attr, fx.Node) and attr.op == "get_attr":
+            body = _attr(gm, str(attr.target))
+            if isinstance(body, fx.GraphModule):
+                yield body, node
+                yield from _hop_bodies(body)
+
+
+def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
+    """Name each anonymous marker of ``gm`` (and of the bodies it calls) after its shard; ``values``: the
+    tensors ``gm``'s placeholders stand for."""
+    for node in gm.graph.nodes:
+        if is_unshard(node) and UnshardArgs.of(node).unit == ANONYMOUS_UNIT:
+            shard = UnshardArgs.of(node).shard
+            tensor = values.get(shard) if shard.op == "placeholder" else _attr(gm, str(shard.target))
+            sp = sharded_param(tensor) if isinstance(tensor, torch.Tensor) else None
+            assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
+            _set_marker_arg(node, "unit", sp.unit.index)
+            _set_marker_arg(node, "name", sp.fqn)
+        start = _HOP_OPERANDS.get(node.target) if node.op == "call_function" else None
+        attr = node.args[0] if start is not None else None
+        if isinstance(attr, fx.Node) and attr.op == "get_attr":
+            body = _attr(gm, str(attr.target))
+            if isinstance(body, fx.GraphModule) and holds(body, is_unshard):
+                inner = {}
+                for p, a in zip(body.graph.find_nodes(op="placeholder"), node.args[start:]):
+                    if isinstance(a, fx.Node):
+                        inner[p] = values.get(a) if a.op == "placeholder" else _attr(gm, str(a.target)) \
+                            if a.op == "get_attr" else None
+                _name_markers(body, inner)
+                body.recompile()
 
 
 # A body of fewer ops is inlined: a call costs Inductor the fusion of the body's first and last ops with

@@ -86,8 +86,8 @@ def _trace(
         )
     try:
         groups = FsdpGroups.create(dedicated=dedicated)
-        for block in blocks(model):
-            fully_shard(block, groups=groups)
+        for block in blocks(model):  # not outlined: the cost model estimates op by op, and FusedAttention
+            fully_shard(block, groups=groups, outline=False)  # must see every block's attention
         fully_shard(model, groups=groups)
         shards = [(p.numel(), p.element_size()) for p in model.parameters() if p.requires_grad]
         backend = make_backend(inductor=False, check_agreement=False, **backend_kw)  # hardware: see explain()

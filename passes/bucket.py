@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, fx
 
-from . import copies as _copies  # noqa: F401  (registers fsdp::copy_out_rows and fsdp::pack_rows)
+from .copies import flatten_shapes  # (and registers the fsdp::* copy ops)
 from .order import reorder
 from .predicates import fsdp_meta, is_all_gather, is_all_reduce, is_reduce_scatter, tensor_bytes, wait_of
 from .splice import splice
@@ -71,69 +71,147 @@ def _groups(gm: fx.GraphModule, match: Callable[[fx.Node], bool]) -> list[list[f
     return list(buckets.values())
 
 
-def _gather_bucket(world: int, group: str, sizes: Sequence[int], rank: int | None) -> Callable[..., list[Tensor]]:
-    def fn(*flats: Tensor) -> list[Tensor]:
+aten, prims = torch.ops.aten, torch.ops.prims
+# What lowering puts between a member's tensor and its collective (flatten, cast, pad) and after its
+# wait (unflatten, narrow, average, cast): the bucket's copies do all of it (NOTE [bucket copies]).
+_INTO = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+         prims.convert_element_type.default, aten.constant_pad_nd.default}
+_OUT_OF = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
+           aten.div.Tensor, prims.convert_element_type.default}
+
+
+def _member_source(launch: fx.Node) -> fx.Node:
+    """``x -> [cast, flatten, pad] -> launch``: the ``x`` a member's collective was lowered from."""
+    kind = fsdp_meta(launch).get("kind")
+    node = launch.args[0]
+    assert isinstance(node, fx.Node)
+    while (node.op == "call_function" and node.target in _INTO and fsdp_meta(node).get("kind") == kind
+           and isinstance(node.args[0], fx.Node) and node.args[0].meta["val"].dim() >= 1):
+        node = node.args[0]
+    return node
+
+
+def _member_end(wait: fx.Node, kind: object) -> tuple[fx.Node, list[fx.Node]]:
+    """``wait -> [unflatten, narrow, div, cast] -> end -> users``: ``end`` and the nodes up to it."""
+    chain: list[fx.Node] = []
+    node = wait
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not (user.op == "call_function" and user.target in _OUT_OF and fsdp_meta(user).get("kind") == kind):
+            break
+        chain.append(user)
+        node = user
+    return node, chain
+
+
+def _divisor(chain: list[fx.Node]) -> object:
+    divs = [n.args[1] for n in chain if n.target is aten.div.Tensor]
+    return divs[0] if divs else None
+
+
+def _gather_bucket(world: int, group: str, sizes: Sequence[int], rank: int | None, dtype: torch.dtype,
+                   shapes: Sequence[Sequence[int]]) -> Callable[..., list[Tensor]]:
+    def fn(*shards: Tensor) -> list[Tensor]:
         if rank is None:
-            out = c10d.wait_tensor(c10d.all_gather_into_tensor(torch.cat(flats), world, group))
+            packed = torch.ops.fsdp.pack_shards(list(shards), 1, 0, dtype)
+            out = c10d.wait_tensor(c10d.all_gather_into_tensor(packed, world, group))
         else:  # NOTE [in-place all-gather]
             n = sum(sizes)
-            buffer = flats[0].new_empty(world * n)
-            mine = buffer.narrow(0, rank * n, n).copy_(torch.cat(flats))
-            out = c10d.wait_tensor(c10d.all_gather_into_tensor_out(mine, world, group, out=buffer))
-        if world == 1:  # one row: each member is a contiguous slice already
-            return list(out.split(list(sizes)))
-        return list(torch.ops.fsdp.copy_out_rows(out, world, list(sizes)))  # NOTE [bucket copies]
+            buffer = torch.ops.fsdp.pack_shards(list(shards), world, rank, dtype)
+            out = c10d.wait_tensor(c10d.all_gather_into_tensor_out(buffer.narrow(0, rank * n, n), world, group,
+                                                                   out=buffer))
+        if world == 1:  # one row: each member is a contiguous slice already, and unpadded
+            return [p.view(list(shape)) for p, shape in zip(out.split(list(sizes)), shapes)]
+        return list(torch.ops.fsdp.copy_out_rows(out, world, list(sizes), *flatten_shapes(shapes)))
 
     return fn
 
 
-def _reduce_bucket(world: int, group: str, sizes: Sequence[int], rank: int | None) -> Callable[..., list[Tensor]]:
+def _reduce_bucket(world: int, group: str, sizes: Sequence[int], dtype: torch.dtype, divisor: object,
+                   out_dtype: torch.dtype, shapes: Sequence[Sequence[int]]) -> Callable[..., list[Tensor]]:
     def fn(*flats: Tensor) -> list[Tensor]:
-        out = c10d.wait_tensor(c10d.all_reduce(torch.cat(flats), "sum", group))
-        return list(out.split(list(sizes)))
+        out = c10d.wait_tensor(c10d.all_reduce(torch.cat([f.reshape(-1) for f in flats]), "sum", group))
+        return _finish(out, sizes, divisor, out_dtype, shapes)
 
     return fn
 
 
-def _scatter_bucket(world: int, group: str, sizes: Sequence[int], rank: int | None) -> Callable[..., list[Tensor]]:
-    def fn(*flats: Tensor) -> list[Tensor]:
-        packed = torch.ops.fsdp.pack_rows(list(flats), world)  # NOTE [bucket copies]
+def _scatter_bucket(world: int, group: str, sizes: Sequence[int], dtype: torch.dtype, divisor: object,
+                    out_dtype: torch.dtype, shapes: Sequence[Sequence[int]]) -> Callable[..., list[Tensor]]:
+    def fn(*grads: Tensor) -> list[Tensor]:
+        packed = torch.ops.fsdp.pack_rows(list(grads), world, dtype)  # NOTE [bucket copies]
         out = c10d.wait_tensor(c10d.reduce_scatter_tensor(packed, "sum", world, group))
-        return list(out.split(list(sizes)))
+        return _finish(out, sizes, divisor, out_dtype, shapes)
 
     return fn
+
+
+def _finish(out: Tensor, sizes: Sequence[int], divisor: object, out_dtype: torch.dtype,
+            shapes: Sequence[Sequence[int]]) -> list[Tensor]:
+    """One average and one cast for the whole bucket, then each member's piece in its own shape."""
+    if divisor is not None:
+        out = out / divisor
+    if out.dtype != out_dtype:
+        out = torch.ops.prims.convert_element_type.default(out, out_dtype)
+    return [p.view(list(shape)) for p, shape in zip(out.split(list(sizes)), shapes)]
 
 
 def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: dict[fx.Node, fx.Node],
            rank_of: Callable[[str], int] | None = None) -> None:
-    waits = [wait_of(m) for m in members]
-    inputs = [m.args[0] for m in members]
-    assert all(isinstance(i, fx.Node) for i in inputs)
     reduce = is_all_reduce(members[0])
+    kind = fsdp_meta(members[0]).get("kind")
     world = 1 if reduce else int(members[0].args[-2])  # type: ignore[arg-type]
     group = str(members[0].args[-1])
-    sizes = [int(i.meta["val"].numel()) // (1 if gather else world) for i in inputs]  # type: ignore[union-attr]
+    flats = [m.args[0] for m in members]
+    dtype = flats[0].meta["val"].dtype  # type: ignore[union-attr]
+    ends = [_member_end(wait_of(m), kind) for m in members]
+    sizes = [int(f.meta["val"].numel()) // (1 if gather else world) for f in flats]  # type: ignore[union-attr]
+    shapes = [tuple(end.meta["val"].shape) for end, _ in ends]
     meta = dict(fsdp_meta(members[0]))
     meta.pop("param", None)
     meta["params"] = [fsdp_meta(m).get("param") for m in members]
-    make = _gather_bucket if gather else _reduce_bucket if reduce else _scatter_bucket
-    rank = rank_of(group) if gather and rank_of is not None else None
+    if gather:
+        inputs = [_member_source(m) for m in members]
+        rank = rank_of(group) if rank_of is not None else None
+        make = _gather_bucket(world, group, sizes, rank, dtype, shapes)
+        key: tuple = ("gather", world, group, tuple(sizes), rank, dtype, tuple(shapes))
+    else:
+        divisors = {repr(_divisor(chain)) for _, chain in ends}
+        out_dtypes = {end.meta["val"].dtype for end, _ in ends}
+        assert len(divisors) == 1 and len(out_dtypes) == 1, "one unit's members are averaged and cast alike"
+        divisor, out_dtype = _divisor(ends[0][1]), out_dtypes.pop()
+        inputs = flats if reduce else [_member_source(m) for m in members]
+        builder = _reduce_bucket if reduce else _scatter_bucket
+        make = builder(world, group, sizes, dtype, divisor, out_dtype, shapes)
+        key = (builder.__name__, world, group, tuple(sizes), dtype, divisor, out_dtype, tuple(shapes))
     # An all-gather goes where its first member was; a reduce-scatter where its last one was, which
     # is after all its inputs (each member came right after its own input).
     anchor = members[0] if gather else members[-1]
     new_nodes: list[fx.Node] = []
-    outs = splice(gm.graph, make(world, group, sizes, rank), inputs, before=anchor, meta=meta,  # type: ignore[arg-type]
-                  inserted=new_nodes, cache_key=(make.__name__, world, group, tuple(sizes), rank))
+    outs = splice(gm.graph, make, inputs, before=anchor, meta=meta, inserted=new_nodes, cache_key=key)  # type: ignore[arg-type]
     if gather:
         # The inputs (casts and views of graph inputs) move up with the bucket.
         for inp in inputs:
             for n in _ancestors(inp):  # type: ignore[arg-type]
                 hoist.setdefault(n, new_nodes[0])
-    for wait, out in zip(waits, outs):
-        wait.replace_all_uses_with(out)
-    for wait, member in zip(waits, members):
-        gm.graph.erase_node(wait)
-        gm.graph.erase_node(member)
+    for (end, _), out in zip(ends, outs):
+        end.replace_all_uses_with(out)
+    for member, (_, chain) in zip(members, ends):
+        for n in [*reversed(chain), wait_of(member), member]:
+            gm.graph.erase_node(n)
+    _erase_unused(flats, kind)
+
+
+def _erase_unused(nodes: Sequence[object], kind: object) -> None:
+    """Erase ``nodes`` and the lowering nodes before them (tagged ``kind``) that nothing reads now."""
+    stack = [n for n in nodes if isinstance(n, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n.users or n.op != "call_function" or fsdp_meta(n).get("kind") != kind:
+            continue
+        inputs = n.all_input_nodes
+        n.graph.erase_node(n)
+        stack.extend(inputs)
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node]:

@@ -63,7 +63,8 @@ def inline_subgraphs_pass(gm: fx.GraphModule, *,
             continue
         for call in calls:
             _inline_call(gm, call, body)
-    gm.delete_all_unused_submodules()
+        if not gm.graph.find_nodes(op="get_attr", target=name):
+            delattr(gm, name)  # (not delete_all_unused_submodules: it drops what nested bodies read)
     gm.graph.lint()
     gm.recompile()
     return gm

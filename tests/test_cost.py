@@ -351,21 +351,21 @@ class TableTest(TestCase):
         # exposed in full (15 us collective latency), unit 1's is hidden behind unit 0's compute.
         self.assertExpectedInline(table(fwd, simulate(fwd, H200), labels), """\
 order  node                          unit  collective  group  stream      bytes  est. start (us)  est. end (us)
-    0  pack (6 nodes)                0     all_gather  ag     compute                      0.000          6.000
-    1  all_gather_into_tensor_out    0     all_gather  ag     all_gather    288            6.000         21.001
-    2  pack (6 nodes)                1     all_gather  ag     compute                      6.000         13.200
-    3  all_gather_into_tensor_out_1  1     all_gather  ag     all_gather    288           21.001         36.001
-    4  wait_tensor_6                 0     all_gather  ag     compute                     13.200         21.001
-    5  unpack (7 nodes)              0     all_gather  ag     compute                     21.001         24.601
-    6  addmm relu (3 nodes)                                   compute                     24.601         31.801
-    7  pack (6 nodes)                2     all_gather  ag     compute                     31.801         38.501
-    8  all_gather_into_tensor_out_2  2     all_gather  ag     all_gather    288           38.501         53.501
-    9  wait_tensor_7                 1     all_gather  ag     compute                     38.501         38.501
-   10  unpack (7 nodes)              1     all_gather  ag     compute                     38.501         42.101
-   11  addmm relu (3 nodes)                                   compute                     42.101         49.301
-   12  wait_tensor_8                 2     all_gather  ag     compute                     49.301         53.501
-   13  unpack (7 nodes)              2     all_gather  ag     compute                     53.501         56.501
-   14  addmm relu le (4 nodes)                                compute                     56.501         65.501""")
+    0  pack (2 nodes)                0     all_gather  ag     compute                      0.000          3.000
+    1  all_gather_into_tensor_out    0     all_gather  ag     all_gather    288            3.000         18.000
+    2  pack (2 nodes)                1     all_gather  ag     compute                      3.000          6.600
+    3  all_gather_into_tensor_out_1  1     all_gather  ag     all_gather    288           18.000         33.001
+    4  wait_tensor_6                 0     all_gather  ag     compute                      6.600         18.000
+    5  unpack (3 nodes)              0     all_gather  ag     compute                     18.000         21.600
+    6  addmm relu (3 nodes)                                   compute                     21.600         28.800
+    7  pack (2 nodes)                2     all_gather  ag     compute                     28.800         32.400
+    8  all_gather_into_tensor_out_2  2     all_gather  ag     all_gather    288           33.001         48.001
+    9  wait_tensor_7                 1     all_gather  ag     compute                     32.400         33.001
+   10  unpack (3 nodes)              1     all_gather  ag     compute                     33.001         36.601
+   11  addmm relu (3 nodes)                                   compute                     36.601         43.801
+   12  wait_tensor_8                 2     all_gather  ag     compute                     43.801         48.001
+   13  unpack (3 nodes)              2     all_gather  ag     compute                     48.001         51.001
+   14  addmm relu le (4 nodes)                                compute                     51.001         60.001""")
 
 
 # --- load_hardware ------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ SCHEDULES = {
     "no-reduce-scatter-cap": ({"reduce_scatter_bytes": None, **FX}, {}),
     "params-alone": ({"bucket_alone_bytes": 1}, {}),  # NOTE [large params alone]: no buckets at all
     "bucket-packed-apart": ({"inplace_gather": False, **FX}, {}),  # the all-gather bucket packed out of place
+    "whole-graph": ({"outline": False, **FX}, {}),  # no outlined units (NOTE [outlined units])
 }
 
 TWO_RANKS: dict[str, Case] = {

@@ -12,6 +12,7 @@ from torch import fx, nn
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, loss_fn
+from fsdp_compile.module import OUTLINES
 from fsdp_compile.schedule import graph_group_labels, group_labels, listing
 from passes.hoist import hoist_unshards_pass
 from passes.inline import inline_subgraphs_pass
@@ -29,6 +30,8 @@ def dynamo_graph(model: nn.Module, *inputs: torch.Tensor) -> tuple[fx.GraphModul
     def keep(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
         graphs.append((gm, list(example)))
         return gm.forward
+
+    setattr(keep, OUTLINES, True)  # trace as for fsdp_backend (NOTE [regions for our backend only])
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the markers run eagerly here: the slow-path warning
@@ -108,6 +111,21 @@ class OutlineTest(FakeWorldTestCase):
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.testing.assert_close(whole(*example), expected)
+
+    def test_other_backends_get_the_whole_graph(self) -> None:
+        # NOTE [regions for our backend only]: no region unless the backend keeps outlined bodies.
+        graphs: list[fx.GraphModule] = []
+
+        def plain(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
+            graphs.append(gm)
+            return gm.forward
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.compile(self.sharded_small(), backend=plain)(torch.randint(0, SMALL.vocab_size, (2, 8)))
+        (gm,) = graphs
+        self.assertEqual(calls(gm), [])
+        self.assertEqual(sum(map(is_unshard, gm.graph.nodes)), 9 * 3 + 3)
 
     def test_outlined_schedule(self) -> None:
         groups = FsdpGroups.create()

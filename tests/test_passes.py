@@ -116,7 +116,7 @@ def test_log_diff(caplog: pytest.LogCaptureFixture) -> None:
     assert "--- before lower_unshard" in diffs[0].getMessage()
     assert "+    all_gather_into_tensor = " in diffs[0].getMessage()
     assert diffs[1].getMessage() == ""  # no reduce_grad in a forward graph: no change
-    assert "+    cat = torch.ops.aten.cat.default" in diffs[2].getMessage()
+    assert "+    pack_shards = torch.ops.fsdp.pack_shards.default" in diffs[2].getMessage()
 
 
 @pytest.mark.parametrize("name", [p.name for p in PIPELINE])

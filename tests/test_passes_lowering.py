@@ -95,9 +95,9 @@ class TestBucket(TestCase):
 14 compute         mm add relu  (3 nodes)""")
         shards = [n for n in gm.graph.nodes if n.op == "placeholder"][1:]
         for ag, k in zip(gathers(gm), range(3)):
-            cat = ag.args[0]
-            self.assertIs(cat.target, torch.ops.aten.cat.default)
-            self.assertEqual([i.args[0] for i in cat.args[0]], shards[2 * k: 2 * k + 2])  # views of w_k, b_k
+            pack = ag.args[0]  # NOTE [bucket copies]: the shards themselves go into one op
+            self.assertIs(pack.target, torch.ops.fsdp.pack_shards.default)
+            self.assertEqual(pack.args[0], shards[2 * k: 2 * k + 2])  # w_k, b_k
             self.assertEqual(fsdp_meta(ag)["params"], [f"w{k}", f"b{k}"])
         for mm in (n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default):
             self.assertEqual(val(mm.args[1])[0], (WIDTH, WIDTH))
@@ -135,9 +135,10 @@ class TestBucket(TestCase):
         for ag in gathers(gm):
             self.assertIs(ag.target, torch.ops._c10d_functional.all_gather_into_tensor_out.default)
             mine, out = ag.args[0], ag.kwargs["out"]
-            self.assertIs(mine.target, torch.ops.aten.copy_.default)
-            self.assertIs(mine.args[0].target, torch.ops.aten.slice.Tensor)  # narrow(out, 0, 0, N)
-            self.assertIs(mine.args[0].args[0], out)
+            self.assertIs(out.target, torch.ops.fsdp.pack_shards.default)  # shards packed into out's slice 0
+            self.assertEqual(out.args[1:], (2, 0, torch.float32))
+            self.assertIs(mine.target, torch.ops.aten.slice.Tensor)  # narrow(out, 0, 0, N)
+            self.assertIs(mine.args[0], out)
             self.assertEqual(val(out), ((2 * 36,), torch.float32))  # 2 ranks x (32 + 4)
         assert_same(run(gm), want)
 
@@ -149,7 +150,7 @@ class TestBucket(TestCase):
             want = run(gm)
             gm = valid(bucket_pass(lowered(gm), rank_of=lambda group: 0, alone_bytes=200))
             self.assertEqual(len(launches(gm)), per_param)
-            self.assertFalse([n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default])
+            self.assertFalse([n for n in gm.graph.nodes if n.target is torch.ops.fsdp.pack_shards.default])
             assert_same(run(gm), want)
         gm = valid(bucket_pass(lowered(forward_graph()), alone_bytes=260))  # weights 256 B: all bucketed
         self.assertEqual(len(gathers(gm)), 3)

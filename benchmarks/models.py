@@ -100,6 +100,9 @@ PRESETS: dict[str, ModelSpec] = {
                                 dtype="bf16"),
     "gpu-llama-8192": ModelSpec("llama", dim=8192, layers=2, heads=64, vocab=32000, seq=4096, batch=1,
                                 dtype="bf16"),
+    # issue 11's model: narrow, deep, few tokens (the host launching kernels is what a step waits for)
+    "gpu-llama-1024": ModelSpec("llama", dim=1024, layers=16, heads=16, vocab=32000, seq=1024, batch=1,
+                                dtype="bf16"),
 }
 
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -316,22 +319,26 @@ class Runner:
 # --- variants -------------------------------------------------------------------------------------------
 
 
-VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-bucketed", "fsdp-compile-packed", "fsdp-compile-ag",
-                             "fsdp-compile-delayed", "fsdp2-eager",
+VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-whole", "fsdp-compile-bucketed", "fsdp-compile-packed",
+                             "fsdp-compile-ag", "fsdp-compile-delayed", "fsdp2-eager",
                              "fsdp2-eager-one-group", "fsdp2-compile", *PEERS, "compile", "fsdp-compile-keep",
-                             "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")
-_KEEP = ("fsdp-compile-keep", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")  # world 1 only
-COMPARISONS: tuple[str, ...] = ("fsdp-compile-bucketed", "fsdp-compile-packed", "fsdp-compile-keep-bucketed",
-                                "fsdp-compile-keep-packed")
+                             "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")
+_KEEP = ("fsdp-compile-keep", "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed",
+         "fsdp-compile-keep-packed")  # world 1 only
+COMPARISONS: tuple[str, ...] = ("fsdp-compile-whole", "fsdp-compile-bucketed", "fsdp-compile-packed",
+                                "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")
 """Variants that only take one of fsdp-compile's choices back (see ``_BACKEND_KW``): run when named."""
 DEFAULT_VARIANTS: tuple[str, ...] = tuple(v for v in VARIANTS if v not in COMPARISONS)
 OPTIMIZERS: tuple[str, ...] = ("fused", "foreach")
-_DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-bucketed": "reduce_scatter",
+_DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-whole": "reduce_scatter",
+              "fsdp-compile-bucketed": "reduce_scatter",
               "fsdp-compile-packed": "reduce_scatter", "fsdp-compile-ag": "all_gather", "fsdp-compile-delayed": "none",
               **{k: "reduce_scatter" for k in _KEEP}}
 _BUCKETED: dict[str, Any] = {"bucket_alone_bytes": None}  # every param bucketed, gathered in place
 _PACKED: dict[str, Any] = {"bucket_alone_bytes": None, "inplace_gather": False}  # as before 2026-12-01
-_BACKEND_KW: dict[str, dict[str, Any]] = {"fsdp-compile-delayed": {"schedule": "delayed"},
+_WHOLE: dict[str, Any] = {"outline": False}  # every block inline, one whole-model graph (before 2026-12-01)
+_BACKEND_KW: dict[str, dict[str, Any]] = {"fsdp-compile-delayed": {"schedule": "delayed"}, "fsdp-compile-whole": _WHOLE,
+                                          "fsdp-compile-keep-whole": {"elide_single_rank": False, **_WHOLE},
                                           "fsdp-compile-bucketed": _BUCKETED, "fsdp-compile-packed": _PACKED,
                                           "fsdp-compile-keep": {"elide_single_rank": False},
                                           "fsdp-compile-keep-bucketed": {"elide_single_rank": False, **_BUCKETED},

@@ -36,15 +36,17 @@ class Unshard(nn.Module):
         self.param = param
 
     def forward(self, shard: Tensor) -> Tensor:
-        p = self.param
-        unit = p.unit
-        # The constant arguments are computed once (``marker_args``), not re-read per trace: Dynamo
-        # traces this for every parameter read.
-        accumulate = p.accumulator if (not unit.requires_grad_sync or unit.pending) else None
         if torch.compiler.is_compiling():
-            return torch.ops.fsdp.unshard(shard, *p.traced_args, accumulate)  # NOTE [outlined units]
-        full = torch.ops.fsdp.unshard(shard, *p.marker_args, accumulate)
+            return self.traced(shard)
+        p = self.param
+        full = torch.ops.fsdp.unshard(shard, *p.marker_args, _accumulator(p))
         return gathered(full, p)  # NOTE [reading a sharded parameter]
+
+    def traced(self, shard: Tensor) -> Tensor:
+        """The marker compiled code calls (NOTE [traced reads]); the arguments are computed once
+        (``traced_args``), not re-read per trace."""
+        p = self.param
+        return torch.ops.fsdp.unshard(shard, *p.traced_args, _accumulator(p))  # NOTE [outlined units]
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
         # Called once at registration with the full param; a shared param's second registration
@@ -54,6 +56,33 @@ class Unshard(nn.Module):
             return tensor
         self.param.sharded = True
         return _local_shard(tensor.detach(), self.param)
+
+
+def _accumulator(p: ShardedParam) -> Tensor | None:
+    """The leaf a read passes while its unit accumulates without sync (NOTE [no-sync]), else ``None``."""
+    unit = p.unit
+    return p.accumulator if (not unit.requires_grad_sync or unit.pending) else None
+
+
+def _traced_property(name: str, original: property) -> property:
+    """NOTE [traced reads]: a sharded parameter's property as parametrize made it, except while Dynamo
+    traces: then it calls the marker on the shard straight away. Through parametrize, each read is two
+    module calls (the parametrization list, then ``Unshard``) that Dynamo traces with their hook checks,
+    about as much work as the rest of a block's tracing, and as many guards; this reads the same shard and
+    makes the same marker call. A parameter with parametrizations of its own besides ``Unshard`` keeps
+    parametrize's path."""
+    eager = original.fget
+    assert eager is not None
+
+    def get(self: nn.Module) -> Tensor:
+        if torch.compiler.is_compiling():
+            chain = self._modules["parametrizations"]._modules[name]  # type: ignore[index]
+            if len(chain._modules) == 1:
+                return chain._modules["0"].traced(chain._parameters["original"])
+        return eager(self)
+
+    return property(get, original.fset, original.fdel, original.__doc__)
+
 
 
 def _local_shard(full: Tensor, sp: ShardedParam) -> Tensor:
@@ -193,6 +222,8 @@ def fully_shard(
         pname = fqn.rsplit(".", 1)[-1]
         with torch.no_grad():
             parametrize.register_parametrization(owner, pname, Unshard(sp), unsafe=True)
+        cls = type(owner)  # parametrize's class for this module alone, holding one property per name
+        setattr(cls, pname, _traced_property(pname, cls.__dict__[pname]))
         if _params.get(p) is None:
             _register_grad_hook(p, _hand_out_global_grads(sp))
         _params[p] = sp

@@ -1,4 +1,4 @@
-"""One runner for all passes: run each in order, lint and recompile after it, optionally log a diff.
+"""One runner for all passes: run each in order, lint after each, recompile once, optionally log a diff.
 
 A pass is any ``Callable[[GraphModule], GraphModule]``; settings are bound beforehand
 (``functools.partial(prefetch_pass, depth=2)``). A pass whose pattern is absent returns the graph as is.
@@ -38,7 +38,8 @@ def run_passes(
 ) -> fx.GraphModule:
     """Run ``passes`` in order on ``gm``, skipping those named in ``disabled``.
 
-    After each pass the graph is linted (a broken graph fails here, naming the pass) and recompiled.
+    After each pass the graph is linted (a broken graph fails here, naming the pass); it is recompiled
+    at the end (and after each pass when logging diffs).
     With ``log_diff`` each pass's before/after code is logged at INFO on this module's logger.
     ``allow_unknown`` accepts disabled names this call does not run (a pipeline split over calls).
     """
@@ -57,10 +58,11 @@ def run_passes(
             gm.graph.lint()
         except Exception as e:  # re-raised with the pass's name
             raise RuntimeError(f"pass {p.name!r} left a malformed graph: {e}") from e
-        gm.recompile()
         if log_diff:
+            gm.recompile()
             diff = difflib.unified_diff(
                 before.splitlines(), gm.code.splitlines(), f"before {p.name}", f"after {p.name}", lineterm=""
             )
             log.info("%s", "\n".join(diff))
+    gm.recompile()  # once, not after each pass: its Python code is what a large graph's compile waits for
     return gm

@@ -96,6 +96,7 @@ def splice(
 
 
 def _evaluate(node: fx.Node) -> object:
-    """Run a node's op on its inputs' fake values."""
+    """Run a node's op on its inputs' fake values (no autograd: only the value is wanted)."""
     args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
-    return node.target(*args, **kwargs)  # type: ignore[operator]
+    with torch.no_grad():
+        return node.target(*args, **kwargs)  # type: ignore[operator]

@@ -1,0 +1,105 @@
+"""Where the host's time goes in a launch-bound step: a Python profile of the steps, per variant.
+
+When a step is bound by the CPU launching kernels (narrow, deep models with few tokens: the GPU waits on
+the host), what decides the step time is the host's Python: Inductor's generated wrapper code, the
+kernel launchers, the collectives' and the custom ops' dispatch. This builds each variant as
+``benchmarks.step_time`` does (world size 1, NCCL or gloo), runs warm-up steps, then ``--steps`` steps
+under ``cProfile``, and prints per variant the host seconds per step and the functions that take the
+most of it (own time), with call counts per step, so two variants' tables can be read side by side.
+
+``python -m benchmarks.host_profile --preset gpu-llama-1024 --variants fsdp-compile-keep,fsdp-compile-keep-whole``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.models import PRESETS, VARIANTS, SharedGroups, build_variant, make_batch, raise_recompile_limit
+
+
+def profile_variant(name: str, spec: Any, shared: SharedGroups, steps: int, top: int) -> dict[str, Any]:
+    runner = build_variant(name, spec, shared, seed=0)
+    batch = make_batch(spec, seed=1, device=shared.device)
+    cuda = shared.device.type == "cuda"
+    for _ in range(3):  # compile, then the first steps' checks (NOTE [lockstep])
+        runner.step(spec, batch)
+    if cuda:
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    prof.enable()
+    for _ in range(steps):
+        runner.step(spec, batch)
+    prof.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    wall, host = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (_cc, calls, own, cum, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        where = file.split("site-packages/")[-1].split("/torchinductor_")[-1]
+        rows.append({"function": f"{where}:{line}({func})", "calls_per_step": calls / steps,
+                     "own_ms_per_step": own * 1e3 / steps, "cum_ms_per_step": cum * 1e3 / steps})
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    return {"variant": name, "wall_ms": wall * 1e3, "host_ms": host * 1e3, "profiled_steps": steps, "top": rows[:top]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="gpu-llama-1024")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's depth")
+    p.add_argument("--variants", default="fsdp-compile-keep,fsdp-compile-keep-whole")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--json", default=None)
+    ns = p.parse_args(argv)
+    names = [v for v in ns.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}")
+    spec = PRESETS[ns.preset]
+    if ns.layers is not None:
+        from dataclasses import replace
+
+        spec = replace(spec, layers=ns.layers)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    raise_recompile_limit(4 * len(names) + 8)
+    shared = SharedGroups(torch.device("cuda", 0) if cuda else torch.device("cpu"), 1)
+    results = []
+    try:
+        for name in names:
+            torch._dynamo.reset()
+            results.append(profile_variant(name, spec, shared, ns.steps, ns.top))
+    finally:
+        shared.destroy()
+        dist.destroy_process_group()
+    for r in results:
+        print(f"\n{r['variant']}: {r['wall_ms']:.2f} ms wall, {r['host_ms']:.2f} ms host per step (profiled)")
+        print("   own ms   cum ms  calls  function")
+        for row in r["top"]:
+            print(f"  {row['own_ms_per_step']:7.3f} {row['cum_ms_per_step']:8.3f} {row['calls_per_step']:6.0f}  "
+                  f"{row['function'][-110:]}")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"preset": ns.preset, "spec": str(spec), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,6 +30,7 @@ __all__ = [
     "inductor_config_patch",
     "inductor_joint_graph_passes",
     "inductor_pre_grad_passes",
+    "lowering_outlined_bodies",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "queue_end_of_backward",
@@ -38,7 +39,6 @@ __all__ = [
     "resolve_group",
     "select_decomp_table",
     "store_connection",
-    "subgraph_inputs_kept",
     "timed",
     "traced_for",
 ]
@@ -190,8 +190,9 @@ def region_schemas_once() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def subgraph_inputs_kept() -> Iterator[None]:
-    """Within the context, Inductor never reuses an ``invoke_subgraph`` body's inputs in place.
+def lowering_outlined_bodies() -> Iterator[None]:
+    """Within the context, Inductor never reuses an ``invoke_subgraph`` body's inputs in place, and does
+    not re-check their sizes at every call.
 
     NOTE [donated subgraph inputs]: a backward graph's saved tensors may be *donated*: Inductor reuses
     their memory once their last use is done (``bw_donated_idxs``, placeholder positions of the
@@ -202,20 +203,29 @@ def subgraph_inputs_kept() -> Iterator[None]:
     ranks: the body wrote its result into its incoming gradient buffer and returned it, and the outer
     graph reused that buffer at once. A body's inputs belong to the graph that calls it, so none is
     donated; the outer graph keeps its own donations.
+
+    NOTE [body input checks]: Inductor's generated code checks each graph input's size and stride once
+    per call (``assert_size_stride``). For a body those inputs come from the calling graph, whose
+    buffers Inductor laid out itself and constrained to the body's layouts: the checks are 40 host calls
+    per block and step that can only pass. The calling graph keeps its own.
     """
+    from torch._inductor.codegen.wrapper import SubgraphPythonWrapperCodegen
     from torch._inductor.graph import SubgraphLowering
 
-    original = SubgraphLowering.__init__
+    original_init = SubgraphLowering.__init__
+    original_asserts = SubgraphPythonWrapperCodegen.codegen_input_size_and_nan_asserts
 
     def __init__(self: Any, parent: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, parent, *args, **kwargs)
+        original_init(self, parent, *args, **kwargs)
         self.bw_donated_idxs = None
 
     SubgraphLowering.__init__ = __init__
+    SubgraphPythonWrapperCodegen.codegen_input_size_and_nan_asserts = lambda self: None
     try:
         yield
     finally:
-        SubgraphLowering.__init__ = original
+        SubgraphLowering.__init__ = original_init
+        SubgraphPythonWrapperCodegen.codegen_input_size_and_nan_asserts = original_asserts
 
 
 def traced_for() -> Any:

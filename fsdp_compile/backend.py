@@ -36,6 +36,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from passes import NamedPass, run_passes
+from passes.absorb import absorb_copies_pass
 from passes.bucket import bucket_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
 from passes.hoist import hoist_unshards_pass
@@ -59,7 +60,7 @@ from ._compat import (
     region_schemas_once,
     resolve_group,
     select_decomp_table,
-    subgraph_inputs_kept,
+    lowering_outlined_bodies,
     timed,
 )
 from .autotune import Choice
@@ -150,7 +151,7 @@ class BackendOptions:
         return load_hardware(self.hardware or detect_hardware(), self.calibration)
 
 
-PASS_NAMES = ("lower_unshard", "lower_reduce_grad", "bucket", "prefetch", "reduce_scatter", "streams")
+PASS_NAMES = ("lower_unshard", "lower_reduce_grad", "bucket", "prefetch", "reduce_scatter", "streams", "absorb")
 _graph_ids = itertools.count()
 _observers: list[Callable[[str, fx.GraphModule], None]] = []
 
@@ -259,7 +260,8 @@ def _lowering(options: BackendOptions) -> list[NamedPass]:
 def _scheduling(options: BackendOptions, choice: Choice) -> list[NamedPass]:
     prefetch = functools.partial(prefetch_pass, depth=choice.prefetch, max_bytes=options.prefetch_bytes)
     scatter = functools.partial(reduce_scatter_pass, schedule=options.schedule, max_bytes=choice.reduce_scatter_bytes)
-    return [NamedPass("prefetch", prefetch), NamedPass("reduce_scatter", scatter), NamedPass("streams", streams_pass)]
+    return [NamedPass("prefetch", prefetch), NamedPass("reduce_scatter", scatter), NamedPass("streams", streams_pass),
+            NamedPass("absorb", absorb_copies_pass)]
 
 
 def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.GraphModule:
@@ -319,7 +321,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
     # backend only] in module.py): it stays off for them even with pin_order=False.
     calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
     patches = {"reorder_for_peak_memory": False} if options.pin_order or calls else {}
-    with inductor_config_patch(patches), subgraph_inputs_kept():  # NOTE [donated subgraph inputs]
+    with inductor_config_patch(patches), lowering_outlined_bodies():  # NOTE [donated subgraph inputs]
         return compile_fx_inner(
             gm,
             example_inputs,

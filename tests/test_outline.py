@@ -135,53 +135,52 @@ class OutlineTest(FakeWorldTestCase):
         labels = group_labels(groups)
         fwd, bwd = listing(graphs["forward"], labels), listing(graphs["backward"], labels)
         # Forward: each block is one call of one body; the collectives stay in the outer graph, scheduled
-        # across calls as for inline units (unit 1's all-gather issued before unit 0's call).
+        # across calls as for inline units (unit 1's all-gather issued before unit 0's call). The call
+        # takes the gathered bucket: the copies out of it run inside (NOTE [copies inside bodies]).
         self.assertExpectedInline(fwd, """\
 0  pack            unit 0  ag
 1  all_gather      unit 0  ag     all_gather      1120 B
 2  pack            unit 1  ag
 3  all_gather      unit 1  ag     all_gather      1120 B
 4  wait            unit 0  ag     all_gather
-5  unpack          unit 0  ag
-6  compute         call fw_subgraph_0_0  (5 nodes)
-7  pack            unit 2  ag
-8  all_gather      unit 2  ag     all_gather      1120 B
-9  wait            unit 1  ag     all_gather
-10 unpack          unit 1  ag
-11 compute         call fw_subgraph_0_0  (5 nodes)
-12 wait            unit 2  ag     all_gather
-13 unpack          unit 2  ag
-14 compute         call fw_subgraph_0_0  (5 nodes)""")
+5  compute         call fw_subgraph_0_0  (5 nodes)
+6  pack            unit 2  ag
+7  all_gather      unit 2  ag     all_gather      1120 B
+8  wait            unit 1  ag     all_gather
+9  compute         call fw_subgraph_0_0  (5 nodes)
+10 wait            unit 2  ag     all_gather
+11 compute         call fw_subgraph_0_0  (5 nodes)""")
         # Backward: every unit is gathered again (the body saved no view of a gathered param), the next
-        # unit prefetched under each call, and each reduce-scatter issued right after its call.
+        # unit prefetched under each call, and each reduce-scatter issued right after its call, on the
+        # packed gradients the call returns.
         self.assertExpectedInline(bwd, """\
 0  pack            unit 2  ag
 1  all_gather      unit 2  ag     all_gather      1024 B
 2  pack            unit 1  ag
 3  all_gather      unit 1  ag     all_gather      1024 B
 4  wait            unit 2  ag     all_gather
-5  unpack          unit 2  ag
-6  compute         call bw_subgraph_0_0  (6 nodes)
-7  pack            unit 2  rs
-8  reduce_scatter  unit 2  rs     reduce_scatter  1120 B
-9  pack            unit 0  ag
-10 all_gather      unit 0  ag     all_gather      1024 B
-11 wait            unit 1  ag     all_gather
-12 unpack          unit 1  ag
-13 compute         call bw_subgraph_0_0  (6 nodes)
-14 pack            unit 1  rs
-15 reduce_scatter  unit 1  rs     reduce_scatter  1120 B
-16 wait            unit 0  ag     all_gather
-17 unpack          unit 0  ag
-18 compute         call bw_subgraph_0_0  (6 nodes)
-19 wait            unit 2  rs     reduce_scatter
-20 unpack          unit 2  rs
-21 pack            unit 0  rs
-22 reduce_scatter  unit 0  rs     reduce_scatter  1120 B
-23 wait            unit 1  rs     reduce_scatter
-24 wait            unit 0  rs     reduce_scatter
-25 unpack          unit 1  rs
-26 unpack          unit 0  rs""")
+5  compute         call bw_subgraph_0_0  (3 nodes)
+6  reduce_scatter  unit 2  rs     reduce_scatter  1120 B
+7  pack            unit 0  ag
+8  all_gather      unit 0  ag     all_gather      1024 B
+9  wait            unit 1  ag     all_gather
+10 compute         call bw_subgraph_0_0  (3 nodes)
+11 reduce_scatter  unit 1  rs     reduce_scatter  1120 B
+12 wait            unit 0  ag     all_gather
+13 compute         call bw_subgraph_0_0  (3 nodes)
+14 wait            unit 2  rs     reduce_scatter
+15 unpack          unit 2  rs
+16 reduce_scatter  unit 0  rs     reduce_scatter  1120 B
+17 wait            unit 1  rs     reduce_scatter
+18 wait            unit 0  rs     reduce_scatter
+19 unpack          unit 1  rs
+20 unpack          unit 0  rs""")
+
+        fw_body = getattr(graphs["forward"], calls(graphs["forward"])[0].args[0].target)
+        bw_body = getattr(graphs["backward"], calls(graphs["backward"])[0].args[0].target)
+        self.assertTrue(any(n.target is torch.ops.fsdp.copy_out_rows.default for n in fw_body.graph.nodes))
+        self.assertTrue(any(n.target is torch.ops.fsdp.pack_rows.default for n in bw_body.graph.nodes))
+        self.assertTrue(all(n.target is not torch.ops.fsdp.pack_rows.default for n in graphs["backward"].graph.nodes))
 
     def test_small_bodies_stay_inline(self) -> None:
         # ThreeUnits' blocks are one linear layer each: below the minimum, inlined as before.

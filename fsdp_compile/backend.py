@@ -39,7 +39,7 @@ from passes import NamedPass, run_passes
 from passes.absorb import absorb_copies_pass
 from passes.bucket import bucket_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
-from passes.hoist import hoist_unshards_pass
+from passes.hoist import hoist_unshards_pass, subgraph_calls
 from passes.inline import holds, inline_subgraphs_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
@@ -435,7 +435,9 @@ def _outer_markers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, keep_bo
     another higher-order op's body (an activation-checkpointed block) inlined there, then each
     anonymous marker given the unit and name of the shard it reads (NOTE [outlined units])."""
     gm = hoist_unshards_pass(gm)
-    gm = inline_subgraphs_pass(gm, keep=lambda body: keep_bodies and _worth_a_call(body))
+    uses = {name: len(calls) for name, calls in subgraph_calls(gm).items()}
+    shared = {id(getattr(gm, name)) for name, n in uses.items() if n >= 2}  # one call saves nothing
+    gm = inline_subgraphs_pass(gm, keep=lambda body: keep_bodies and id(body) in shared and _worth_a_call(body))
     for body, _ in _hop_bodies(gm):
         inline_subgraphs_pass(body)
     _name_markers(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))

@@ -20,11 +20,13 @@ from fsdp_compile.schedule import rows
 from passes.predicates import is_all_gather, waited_collective
 
 from .graph_utils import FakeWorldTestCase, ThreeUnits, shard_blocks_then_root
+from .test_outline import Mlp
 
 _LAUNCH = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")
 # a bucket's in-place all-gather (NOTE [in-place all-gather]) returns nothing: its buffer is ``out=``
 _LAUNCH_OUT = re.compile(r"torch\.ops\._c10d_functional\.(all_gather_into_tensor)_out\.default\(.*out=(\w+)\)")
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
+_CALL = re.compile(r"^\s+\w+ = (partitioned_\w+)\(\w+_args\)")  # an outlined body's call
 _KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 
 
@@ -39,6 +41,8 @@ def emitted_order(code: str) -> list[str]:
             out.append(_KIND[kind])
         elif m := _WAIT.search(line):
             out.append(f"wait {kind_of.get(m.group(1), '?')}")
+        elif m := _CALL.search(line):
+            out.append("call")
     return out
 
 
@@ -50,18 +54,21 @@ def fx_order(gm: torch.fx.GraphModule) -> list[str]:
         elif r.op == "wait":
             launch = waited_collective(r.nodes[0])
             out.append(f"wait {'all_gather' if is_all_gather(launch) else 'reduce_scatter'}")
+        else:
+            out += ["call" for n in r.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
     return out
 
 
 class InductorOrderTest(FakeWorldTestCase):
     """The order of launches and waits survives Inductor: read its generated code."""
 
-    def compiled_orders(self, **backend_kw: Any) -> tuple[list[list[str]], list[list[str]]]:
+    def compiled_orders(self, model: torch.nn.Module | None = None, grad_in: bool = False,
+                        **backend_kw: Any) -> tuple[list[list[str]], list[list[str]]]:
         groups = FsdpGroups.create()
         torch.manual_seed(0)
-        model = torch.compile(shard_blocks_then_root(ThreeUnits(), groups), backend=make_backend(**backend_kw))
+        model = torch.compile(shard_blocks_then_root(model or ThreeUnits(), groups), backend=make_backend(**backend_kw))
         with observe_graphs() as seen:
-            _, codes = run_and_get_code(lambda: model(torch.randn(4, 8)).sum().backward())
+            _, codes = run_and_get_code(lambda: model(torch.randn(4, 8, requires_grad=grad_in)).sum().backward())
         return [fx_order(gm) for _, gm in seen], [emitted_order(c) for c in codes]
 
     def test_emitted_order_matches_schedule(self) -> None:
@@ -70,6 +77,13 @@ class InductorOrderTest(FakeWorldTestCase):
             fx, emitted = self.compiled_orders(**kw)
             self.assertEqual(len(emitted), 2)
             self.assertEqual(emitted, fx, f"Inductor reordered collectives with {kw}")
+
+    def test_outlined_calls_keep_their_place(self) -> None:
+        # NOTE [outlined units]: each block is a call of one compiled body; the calls, and the
+        # collectives around them, run in the scheduled order.
+        fx, emitted = self.compiled_orders(Mlp(), grad_in=True)  # (else block 0's body differs: its input)
+        self.assertEqual([o.count("call") for o in fx], [3, 3])
+        self.assertEqual(emitted, fx)
 
     def test_without_pinning_inductor_undoes_the_schedule(self) -> None:
         # The control: Inductor's own reordering moves waits back next to their launches.

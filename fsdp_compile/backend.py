@@ -202,13 +202,13 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
 
 def _read_passed_through_inputs(joint: fx.GraphModule) -> None:
     """NOTE [reshard through outlined bodies]: AOTAutograd splits each ``invoke_subgraph`` call (see
-    NOTE [outlining] in passes/outline.py) into a forward call that also returns what its backward
+    NOTE [outlined units] in module.py) into a forward call that also returns what its backward
     saves, and a backward call that reads those. A saved value that is just one of the forward call's
     inputs, such as a gathered parameter, would then reach backward through the forward call's output,
     where the must-recompute tag on its unshard cannot see it: the full parameter would be kept from
     forward to backward. Reading such values from the input itself lets the partitioner recompute the
-    unshard in backward, as it does for inline units. (Views of them that the body saves, such as a
-    transposed weight, are still saved: see NOTE [outlining: what was tried].)"""
+    unshard in backward, as it does for inline units. Views of them that the body would save, such as
+    a transposed weight, are recomputed in its backward instead: :func:`_tag_input_views`."""
     for node in joint.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
         body = getattr(joint, str(node.args[0].target))  # type: ignore[union-attr]
         placeholders = {p: i for i, p in enumerate(body.graph.find_nodes(op="placeholder"))}
@@ -378,12 +378,12 @@ def make_backend(
     ``cost.HARDWARE``; default: this device's) and ``calibration`` (a JSON of measured numbers) set the
     cost model behind the estimated times in dumps, logs and ``"auto"`` settings.
     ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
-    ``outline=True`` (with Inductor): identical units are compiled once and called once per unit
-    (NOTE [outlining] in passes/outline.py), for a compile time that grows more slowly with depth;
-    their collectives stay in the whole-model graph and are scheduled across units as before. The
-    price: an outlined unit's backward reads the views of its gathered params that its forward saved,
-    so those stay alive from forward to backward, as with ``reshard_after_forward=False``. Not applied
-    where the cost model picks settings (``"auto"`` above): it needs to see every op.
+    ``outline=True`` (default): units that ``fully_shard`` outlined (the repeated blocks, NOTE
+    [outlined units] in module.py) are traced as one body each kind, compiled once and called once per
+    unit, for a compile time that grows slowly with depth; their collectives stay in the whole-model
+    graph and are scheduled across units as before, and they reshard after forward as inline units
+    do. ``False`` traces every block inline (one whole-model graph). Not applied where the cost model
+    picks settings (``"auto"`` above): it needs to see every op.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
     """

@@ -39,13 +39,11 @@ from passes import NamedPass, run_passes
 from passes.absorb import absorb_copies_pass
 from passes.bucket import bucket_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
-from passes.hoist import hoist_unshards_pass, subgraph_calls
-from passes.inline import holds, inline_subgraphs_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
 from passes.share import share_subgraphs_pass
 from passes.streams import check_streams, streams_pass
-from passes.predicates import UnshardArgs, is_reduce_grad, is_unshard
+from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
 from . import agreement, autotune, lockstep
@@ -68,8 +66,8 @@ from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule
 from .module import OUTLINES
-from .ops import ANONYMOUS_UNIT
-from .units import is_sharded, sharded_param
+from .regions import outer_markers
+from .units import is_sharded
 
 __all__ = ["BackendOptions", "make_backend", "fsdp_backend", "observe_graphs"]
 
@@ -421,96 +419,12 @@ def make_backend(
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
         with timed("fsdp.outline"):
-            gm = _outer_markers(gm, example_inputs, keep_bodies=options.outlines())
+            gm = outer_markers(gm, example_inputs, keep_bodies=options.outlines())
         with region_schemas_once():
             return aot(inductor_pre_grad_passes(gm, example_inputs), example_inputs)
 
     setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]
     return backend
-
-
-def _outer_markers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, keep_bodies: bool) -> fx.GraphModule:
-    """Every marker outside outlined bodies, and named: hoisted out of them (NOTE [hoisting markers]),
-    bodies that still hold one (or all, unless ``keep_bodies``) inlined, outlined units called inside
-    another higher-order op's body (an activation-checkpointed block) inlined there, then each
-    anonymous marker given the unit and name of the shard it reads (NOTE [outlined units])."""
-    gm = hoist_unshards_pass(gm)
-    uses = {name: len(calls) for name, calls in subgraph_calls(gm).items()}
-    shared = {id(getattr(gm, name)) for name, n in uses.items() if n >= 2}  # one call saves nothing
-    gm = inline_subgraphs_pass(gm, keep=lambda body: keep_bodies and id(body) in shared and _worth_a_call(body))
-    for body, _ in _hop_bodies(gm):
-        inline_subgraphs_pass(body)
-    _name_markers(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
-    gm.recompile()
-    return gm
-
-
-# Higher-order ops whose body reads the call's operands from this argument on, in order.
-_HOP_OPERANDS = {torch.ops.higher_order.invoke_subgraph: 2, torch.ops.higher_order.tag_activation_checkpoint: 1}
-
-
-def _hop_bodies(gm: fx.GraphModule) -> Iterator[tuple[fx.GraphModule, fx.Node]]:
-    """Each (body, call) of a higher-order op in ``gm``, and in their bodies, outermost first."""
-    for node in list(gm.graph.nodes):
-        attr = node.args[0] if node.op == "call_function" and node.target in _HOP_OPERANDS else None
-        if isinstance(attr, fx.Node) and attr.op == "get_attr":
-            body = _attr(gm, str(attr.target))
-            if isinstance(body, fx.GraphModule):
-                yield body, node
-                yield from _hop_bodies(body)
-
-
-def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
-    """Name each anonymous marker of ``gm`` (and of the bodies it calls) after its shard; ``values``: the
-    tensors ``gm``'s placeholders stand for."""
-    for node in gm.graph.nodes:
-        if is_unshard(node) and UnshardArgs.of(node).unit == ANONYMOUS_UNIT:
-            shard = UnshardArgs.of(node).shard
-            tensor = values.get(shard) if shard.op == "placeholder" else _attr(gm, str(shard.target))
-            sp = sharded_param(tensor) if isinstance(tensor, torch.Tensor) else None
-            assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
-            _set_marker_arg(node, "unit", sp.unit.index)
-            _set_marker_arg(node, "name", sp.fqn)
-        start = _HOP_OPERANDS.get(node.target) if node.op == "call_function" else None
-        attr = node.args[0] if start is not None else None
-        if isinstance(attr, fx.Node) and attr.op == "get_attr":
-            body = _attr(gm, str(attr.target))
-            if isinstance(body, fx.GraphModule) and holds(body, is_unshard):
-                inner = {}
-                for p, a in zip(body.graph.find_nodes(op="placeholder"), node.args[start:]):
-                    if isinstance(a, fx.Node):
-                        inner[p] = values.get(a) if a.op == "placeholder" else _attr(gm, str(a.target)) \
-                            if a.op == "get_attr" else None
-                _name_markers(body, inner)
-                body.recompile()
-
-
-# A body of fewer ops is inlined: a call costs Inductor the fusion of the body's first and last ops with
-# their neighbours, and saves little compile time (a block of one linear layer, say).
-_MIN_BODY_OPS = 8
-
-
-def _worth_a_call(body: fx.GraphModule) -> bool:
-    """Keep an outlined body: no marker left inside (NOTE [hoisting markers]), and enough ops."""
-    if holds(body, lambda n: is_unshard(n) or is_reduce_grad(n)):
-        return False
-    return sum(n.op == "call_function" for n in body.graph.nodes) >= _MIN_BODY_OPS
-
-
-def _attr(gm: fx.GraphModule, target: str) -> object:
-    value: object = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _set_marker_arg(node: fx.Node, name: str, value: object) -> None:
-    schema = torch.ops.fsdp.unshard.default._schema
-    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
-    if index < len(node.args):
-        node.update_arg(index, value)
-    else:
-        node.update_kwarg(name, value)
 
 
 def _refuse_unmanaged_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from .hoist import subgraph_calls
-from .predicates import fsdp_meta, is_wait
+from .predicates import is_wait
 
 __all__ = ["absorb_copies_pass"]
 
@@ -60,14 +60,14 @@ def _copies(node: fx.Node) -> set[fx.Node]:
         n = stack.pop()
         if n in found:
             continue
-        if n.op != "call_function" or is_wait(n) or not fsdp_meta(n):
+        if n.op != "call_function" or is_wait(n) or not n.meta.get("fsdp"):
             return set()  # reads something else than one wait's copies
         found.add(n)
         stack.extend(i for i in n.all_input_nodes if not is_wait(i))
     return found
 
 
-def _inputs(call: fx.Node) -> list[_Inputs]:
+def _inputs(call: fx.Node, order: dict[fx.Node, int]) -> list[_Inputs]:
     groups: dict[fx.Node, _Inputs] = {}
     for k, operand in enumerate(call.args[2:]):
         if not isinstance(operand, fx.Node):
@@ -85,7 +85,6 @@ def _inputs(call: fx.Node) -> list[_Inputs]:
         inside = set(g.nodes)
         readers_ok = all(u in inside or u is call for n in g.nodes for u in n.users)
         if readers_ok and all(u in inside for u in g.wait.users):
-            order = {n: i for i, n in enumerate(call.graph.nodes)}
             g.nodes.sort(key=order.__getitem__)
             kept.append(g)
     return kept
@@ -101,7 +100,7 @@ def _packs(call: fx.Node) -> list[_Pack]:
     out = []
     for pack in packs:
         grads = pack.args[0]
-        if not isinstance(grads, (list, tuple)) or not fsdp_meta(pack):
+        if not isinstance(grads, (list, tuple)) or not pack.meta.get("fsdp"):
             continue
         ok = all(isinstance(g, fx.Node) and g.target is operator.getitem and g.args[0] is call
                  and list(g.users) == [pack] for g in grads)
@@ -207,8 +206,9 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, attr: str, inputs: Sequence[_Inp
 def absorb_copies_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """NOTE [copies inside bodies]: move each outlined unit's bucket copies into its body, where every
     call of the body allows it."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for name, calls in subgraph_calls(gm).items():
-        plans = [(_inputs(c), _packs(c)) for c in calls]
+        plans = [(_inputs(c, order), _packs(c)) for c in calls]
         if not any(i or p for i, p in plans):
             continue
         if len({repr(_signature(i, p)) for i, p in plans}) != 1:

@@ -45,15 +45,36 @@ def outer_markers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, keep_bod
 _HOP_OPERANDS = {torch.ops.higher_order.invoke_subgraph: 2, torch.ops.higher_order.tag_activation_checkpoint: 1}
 
 
+def _hop_calls(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule, int]]:
+    """Each call of a higher-order op in ``gm``: the call, its body, where its operands start."""
+    for node in list(gm.graph.nodes):
+        start = _HOP_OPERANDS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
+        attr = node.args[0] if start is not None else None
+        if isinstance(attr, fx.Node) and attr.op == "get_attr":
+            body = _value(gm, {}, attr)
+            if isinstance(body, fx.GraphModule):
+                yield node, body, start  # type: ignore[misc]
+
+
 def _hop_bodies(gm: fx.GraphModule) -> Iterator[tuple[fx.GraphModule, fx.Node]]:
     """Each (body, call) of a higher-order op in ``gm``, and in their bodies, outermost first."""
-    for node in list(gm.graph.nodes):
-        attr = node.args[0] if node.op == "call_function" and node.target in _HOP_OPERANDS else None
-        if isinstance(attr, fx.Node) and attr.op == "get_attr":
-            body = _attr(gm, str(attr.target))
-            if isinstance(body, fx.GraphModule):
-                yield body, node
-                yield from _hop_bodies(body)
+    for call, body, _ in _hop_calls(gm):
+        yield body, call
+        yield from _hop_bodies(body)
+
+
+def _value(gm: fx.GraphModule, values: dict[fx.Node, object], node: object) -> object:
+    """What ``node`` of ``gm`` stands for: a placeholder's entry in ``values``, an attribute of ``gm``."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "placeholder":
+        return values.get(node)
+    if node.op == "get_attr":
+        value: object = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        return value
+    return None
 
 
 def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
@@ -62,23 +83,16 @@ def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
     for node in gm.graph.nodes:
         if is_unshard(node) and UnshardArgs.of(node).unit == ANONYMOUS_UNIT:
             shard = UnshardArgs.of(node).shard
-            tensor = values.get(shard) if shard.op == "placeholder" else _attr(gm, str(shard.target))
+            tensor = _value(gm, values, shard)
             sp = sharded_param(tensor) if isinstance(tensor, torch.Tensor) else None
             assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
             _set_marker_arg(node, "unit", sp.unit.index)
             _set_marker_arg(node, "name", sp.fqn)
-        start = _HOP_OPERANDS.get(node.target) if node.op == "call_function" else None
-        attr = node.args[0] if start is not None else None
-        if isinstance(attr, fx.Node) and attr.op == "get_attr":
-            body = _attr(gm, str(attr.target))
-            if isinstance(body, fx.GraphModule) and holds(body, is_unshard):
-                inner = {}
-                for p, a in zip(body.graph.find_nodes(op="placeholder"), node.args[start:]):
-                    if isinstance(a, fx.Node):
-                        inner[p] = values.get(a) if a.op == "placeholder" else _attr(gm, str(a.target)) \
-                            if a.op == "get_attr" else None
-                _name_markers(body, inner)
-                body.recompile()
+    for call, body, start in _hop_calls(gm):
+        if holds(body, is_unshard):
+            placeholders = body.graph.find_nodes(op="placeholder")
+            _name_markers(body, {p: _value(gm, values, a) for p, a in zip(placeholders, call.args[start:])})
+            body.recompile()
 
 
 # A body of fewer ops is inlined: a call costs Inductor the fusion of the body's first and last ops with
@@ -91,13 +105,6 @@ def _worth_a_call(body: fx.GraphModule) -> bool:
     if holds(body, lambda n: is_unshard(n) or is_reduce_grad(n)):
         return False
     return sum(n.op == "call_function" for n in body.graph.nodes) >= _MIN_BODY_OPS
-
-
-def _attr(gm: fx.GraphModule, target: str) -> object:
-    value: object = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _set_marker_arg(node: fx.Node, name: str, value: object) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.models import PRESETS, VARIANTS, SharedGroups, build_variant, make_batch, raise_recompile_limit
+from benchmarks.models import PRESETS, make_batch
+from benchmarks.variants import VARIANTS, SharedGroups, build_variant, raise_recompile_limit
 
 
 def profile_variant(name: str, spec: Any, shared: SharedGroups, steps: int, top: int) -> dict[str, Any]:

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.models import (DEFAULT_VARIANTS, OPTIMIZERS, PRESETS, VARIANTS, Batch, CudaPeak, ModelSpec,
-                               RssSampler, Runner, SharedGroups, build_variant, make_batch, raise_recompile_limit,
-                               train_flops, unavailable_reason)
+from benchmarks.models import PRESETS, Batch, CudaPeak, ModelSpec, RssSampler, Runner, make_batch, train_flops
+from benchmarks.variants import (DEFAULT_VARIANTS, OPTIMIZERS, VARIANTS, SharedGroups, build_variant,
+                                 raise_recompile_limit, unavailable_reason)
 from benchmarks.step_report import (RankReport, VariantRun, default_json_path, header_line, markdown_table,
                                     summarize, write_json, write_png)
 from fsdp_compile.launch import run_ranks

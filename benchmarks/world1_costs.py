@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.models import (PRESETS, VARIANTS, Runner, SharedGroups, build_variant, loss_of, make_batch,
-                               raise_recompile_limit, unavailable_reason)
+from benchmarks.models import PRESETS, Runner, loss_of, make_batch
+from benchmarks.variants import VARIANTS, SharedGroups, build_variant, raise_recompile_limit, unavailable_reason
 from benchmarks.overlap import DEVICE_CATS, assign_steps, find_steps, load_trace, profile_steps
 
 KERNEL_CLASSES: tuple[tuple[str, str], ...] = (

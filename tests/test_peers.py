@@ -11,7 +11,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from benchmarks import peers
-from benchmarks.models import unavailable_reason
+from benchmarks.variants import unavailable_reason
 from benchmarks.world1_costs import kernel_class, live_at_peak
 
 c10d = torch.ops._c10d_functional

@@ -53,12 +53,12 @@ from ._compat import (
     inductor_config_patch,
     inductor_joint_graph_passes,
     inductor_pre_grad_passes,
+    lowering_outlined_bodies,
     make_boxed_func,
     min_cut_rematerialization_partition,
     region_schemas_once,
     resolve_group,
     select_decomp_table,
-    lowering_outlined_bodies,
     timed,
 )
 from .autotune import Choice

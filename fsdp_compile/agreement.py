@@ -74,6 +74,17 @@ class GraphIdentity:
         text = json.dumps([self.kind, self.collectives])
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
+    def to_json(self) -> str:
+        """The identity as text (it travels inside the compiled graph: NOTE [lockstep])."""
+        return json.dumps({"kind": self.kind, "collectives": list(self.collectives),
+                           "groups": [list(g) for g in self.groups], "timeout_s": self.timeout_s})
+
+    @classmethod
+    def from_json(cls, text: str) -> GraphIdentity:
+        d = json.loads(text)
+        return cls(kind=d["kind"], collectives=tuple(d["collectives"]), groups=tuple(tuple(g) for g in d["groups"]),
+                   timeout_s=float(d["timeout_s"]))
+
     def describe(self) -> str:
         launches = sum(1 for c in self.collectives if not c.startswith("wait("))
         article = "an" if self.kind[0] in "aeiou" else "a"

@@ -16,13 +16,21 @@ Ranks in lockstep reach these calls together, so their check-ins pair up and the
 sequence departs waits alone and raises, naming what its peers run instead, before any collective of
 the departing graph is issued. In steady training no check-in happens: a dictionary lookup per call.
 
+The check-in is the first node of the compiled graph itself (``fsdp::check_in``, holding the graph's
+identity as text: :func:`insert_check_in`), not a wrapper around it, so that a graph loaded from
+Inductor's caches on a warm start (NOTE [warm start] in ``cache.py``) checks in exactly as a freshly
+compiled one does. Its first call also runs the agreement check (NOTE [agreement]), which a loaded
+graph skipped when it was not compiled; on a cold start that check already ran and is not repeated.
+
 And when a collective inside a compiled graph fails (gloo's timeout, a closed connection), the error
 gets a note saying what every peer is doing (``peers.describe``), e.g. "rank 0: waiting for its peers
-to run an inference graph", so the message names the mistake and not only its symptom.
+to run an inference graph", so the message names the mistake and not only its symptom
+(:func:`guard`, :func:`note_failures`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -31,11 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import fx
 
 from . import peers
-from .agreement import GraphIdentity
+from .agreement import GraphIdentity, check_agreement
 
-__all__ = ["guard"]
+__all__ = ["guard", "insert_check_in", "note_failures"]
 
 
 @dataclass
@@ -85,6 +94,38 @@ def _check_in(seq: _Sequence, graph: GraphIdentity, prev: GraphIdentity | None, 
 _ADVICE = peers.DIVERGED_ADVICE
 
 
+@torch.library.custom_op("fsdp::check_in", mutates_args=())
+def check_in(identity: str) -> None:
+    """The first node of a compiled graph that has peers: agreement once, then the lockstep check-in."""
+    graph = _identity(identity)
+    check_agreement(graph)  # a no-op once agreed (at compile time on a cold start)
+    _before_call(graph)
+
+
+@check_in.register_fake
+def _check_in_fake(identity: str) -> None:
+    return None
+
+
+fx.node.has_side_effect(torch.ops.fsdp.check_in.default)
+
+
+@functools.lru_cache(maxsize=None)
+def _identity(text: str) -> GraphIdentity:
+    return GraphIdentity.from_json(text)
+
+
+def insert_check_in(gm: fx.GraphModule, graph: GraphIdentity) -> fx.GraphModule:
+    """``gm`` with ``fsdp::check_in(graph)`` as its first node (after the inputs), before any collective."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    where = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before(None)
+    with where:
+        node = gm.graph.call_function(torch.ops.fsdp.check_in.default, (graph.to_json(),))
+    node.meta["val"] = None
+    gm.recompile()
+    return gm
+
+
 def _failure_note(error: BaseException, graph: GraphIdentity) -> str:
     me = dist.get_rank()
     first = str(error).splitlines()[0] if str(error) else ""
@@ -111,21 +152,56 @@ def _is_communication_error(error: BaseException) -> bool:
     return any(w in text for w in _COMMUNICATION_WORDS)
 
 
+def _noted(e: Exception, graph: GraphIdentity | None) -> Exception | None:
+    """``e`` with a note naming what every peer does, or a ``RuntimeError`` to raise from it (Python
+    3.10); ``None`` when it needs none: not a collective's failure, or noted already."""
+    if graph is None or not _is_communication_error(e) or isinstance(e, peers.PeerError):
+        return None
+    if getattr(e, "_fsdp_compile_noted", False):
+        return None
+    note = _failure_note(e, graph)
+    if not hasattr(e, "add_note"):  # Python 3.10
+        return RuntimeError(note)
+    e.add_note(note)  # the error keeps its type: callers may catch DistBackendError
+    e._fsdp_compile_noted = True  # type: ignore[attr-defined]
+    return None
+
+
 def guard(compiled: Callable[[list[Any]], Any], graph: GraphIdentity) -> Callable[[list[Any]], Any]:
-    """``compiled`` (a boxed graph callable) with the lockstep check-ins and failure notes."""
+    """``compiled`` (a boxed graph callable, its first node ``fsdp::check_in``) with failure notes.
+
+    Keeps what AOTAutograd's cache reads off a compiled graph (its key in Inductor's graph cache), so
+    that a guarded graph is still saved for a warm start."""
 
     def run(args: list[Any]) -> Any:
-        _before_call(graph)
         try:
             return compiled(args)
         except Exception as e:
-            if not _is_communication_error(e) or isinstance(e, peers.PeerError):
-                raise
-            note = _failure_note(e, graph)
-            if not hasattr(e, "add_note"):  # Python 3.10
-                raise RuntimeError(note) from e
-            e.add_note(note)  # the error keeps its type: callers may catch DistBackendError
+            replacement = _noted(e, graph)
+            if replacement is not None:
+                raise replacement from e
             raise
 
     run._boxed_call = True  # type: ignore[attr-defined]
+    for attr in ("_fx_graph_cache_key", "_fx_graph_cache_debug_lines"):
+        if hasattr(compiled, attr):
+            setattr(run, attr, getattr(compiled, attr))
+    return run
+
+
+def note_failures(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` (what AOTAutograd returns for a Dynamo graph) noting a failed collective with the
+    last graph this process checked in with: the graphs loaded from the caches on a warm start carry
+    no :func:`guard` (NOTE [warm start] in ``cache.py``), and this covers their forward at least."""
+
+    @functools.wraps(compiled)
+    def run(*args: Any) -> Any:
+        try:
+            return compiled(*args)
+        except Exception as e:
+            replacement = _noted(e, _state.get().last)
+            if replacement is not None:
+                raise replacement from e
+            raise
+
     return run

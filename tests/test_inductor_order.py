@@ -8,13 +8,15 @@ launches and waits in the generated code with the scheduled FX graph's.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
+from unittest import mock
 
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile import FsdpGroups, agreement, lockstep, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.schedule import rows
 from passes.predicates import is_all_gather, waited_collective
@@ -26,6 +28,7 @@ _LAUNCH = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_te
 # a bucket's in-place all-gather (NOTE [in-place all-gather]) returns nothing: its buffer is ``out=``
 _LAUNCH_OUT = re.compile(r"torch\.ops\._c10d_functional\.(all_gather_into_tensor)_out\.default\(.*out=(\w+)\)")
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
+_CHECK_IN = re.compile(r"torch\.ops\.fsdp\.check_in\.default\(")
 _CALL = re.compile(r"^\s+\w+ = (partitioned_\w+)\(\w+_args\)")  # an outlined body's call
 _KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 
@@ -43,6 +46,8 @@ def emitted_order(code: str) -> list[str]:
             out.append(f"wait {kind_of.get(m.group(1), '?')}")
         elif m := _CALL.search(line):
             out.append("call")
+        elif _CHECK_IN.search(line):
+            out.append("check_in")
     return out
 
 
@@ -89,3 +94,17 @@ class InductorOrderTest(FakeWorldTestCase):
         # The control: Inductor's own reordering moves waits back next to their launches.
         fx, emitted = self.compiled_orders(pin_order=False)
         self.assertNotEqual(emitted, fx)
+
+    def test_the_check_in_runs_before_every_collective(self) -> None:
+        # NOTE [lockstep]: a graph with peers checks in with them first, also when it was loaded from
+        # the caches. A fake group has no peers, so the test gives each graph an identity, and
+        # records the check-ins instead of making them.
+        identity = agreement.GraphIdentity(kind="", collectives=(), groups=((0, 1),), timeout_s=1.0)
+        checked: list[str] = []
+        with (mock.patch.object(agreement, "identify", lambda gm, kind, *_: dataclasses.replace(identity, kind=kind)),
+              mock.patch.object(agreement, "check_agreement", lambda graph: None),
+              mock.patch.object(lockstep, "check_agreement", lambda graph: None),
+              mock.patch.object(lockstep, "_before_call", lambda graph: checked.append(graph.kind))):
+            fx, emitted = self.compiled_orders()
+        self.assertEqual(emitted, [["check_in", *order] for order in fx])
+        self.assertEqual(checked, ["forward", "backward"])

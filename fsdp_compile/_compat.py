@@ -13,10 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.output_code import OutputCode
 from torch._logging._internal import getArtifactLogger
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "register_foreach_type",
     "resolve_group",
     "select_decomp_table",
+    "serializable",
     "store_connection",
     "timed",
     "traced_for",
@@ -89,6 +92,12 @@ def register_foreach_type(cls: type) -> None:
 def queue_end_of_backward(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the autograd engine finishes the current backward pass."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+def serializable(compiler: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiler`` marked as returning Inductor's output code, which AOTAutograd's cache can save and
+    load (NOTE [warm start] in ``cache.py``): its results must carry their graph-cache key."""
+    return SerializableAOTDispatchCompiler(OutputCode, compiler)
 
 
 def inductor_config_patch(changes: dict[str, Any]) -> Any:

@@ -14,6 +14,9 @@
 4. Inductor compiles each graph (``compile_fx_inner``, the order pinned), or, with ``inductor=False``,
    the scheduled FX graphs run as they are (for debugging).
 
+With Inductor's caches on, a later process start loads the compiled graphs from AOTAutograd's cache and
+skips steps 1-4 (NOTE [warm start] in ``cache.py``).
+
 Outlined units (NOTE [outlined units] in ``module.py``) reach the backend as calls of one
 ``invoke_subgraph`` body per kind of block; before step 1 their markers move out to the calls
 (``passes/hoist.py``) and are named after the shards they read, and bodies that cannot stay outlined
@@ -46,7 +49,7 @@ from passes.streams import check_streams, streams_pass
 from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
-from . import agreement, autotune, lockstep
+from . import agreement, autotune, cache, lockstep
 from ._compat import (
     aot_autograd,
     compile_fx_inner,
@@ -59,12 +62,13 @@ from ._compat import (
     region_schemas_once,
     resolve_group,
     select_decomp_table,
+    serializable,
     timed,
 )
 from .autotune import Choice
 from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
-from .logs import log_schedule
+from .logs import log_schedule, schedule_logged
 from .module import OUTLINES
 from .regions import outer_markers
 from .units import is_sharded
@@ -297,6 +301,7 @@ def _compile(
             identity = agreement.identify(gm, kind, options.agreement_timeout_s)
             if identity is not None:
                 agreement.check_agreement(identity)
+                gm = lockstep.insert_check_in(gm, identity)  # NOTE [lockstep]
     graph_id = next(_graph_ids)
     with timed("fsdp.report"):
         log_schedule(kind, lambda: report(gm, hw))
@@ -384,6 +389,9 @@ def make_backend(
     picks settings (``"auto"`` above): it needs to see every op.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
+    With Inductor's caches on (torch's default), a later process start loads what this backend compiled
+    instead of compiling again (NOTE [warm start] in ``cache.py``); ``dump_dir``, ``observe_graphs``
+    and ``TORCH_LOGS=fsdp_schedule`` compile afresh, so that they show the schedule.
     """
     options = BackendOptions(
         schedule=schedule,
@@ -408,23 +416,36 @@ def make_backend(
     compile_fw = functools.partial(_compile, options=options, hw=hw, is_backward=False, is_inference=False)
     compile_bw = functools.partial(_compile, options=options, hw=hw, is_backward=True, is_inference=False)
     compile_inf = functools.partial(_compile, options=options, hw=hw, is_backward=False, is_inference=True)
-    aot = aot_autograd(
-        fw_compiler=compile_fw,
-        bw_compiler=compile_bw,
-        inference_compiler=compile_inf,
-        partition_fn=partition,
-        decompositions=select_decomp_table(),
-    )
+
+    def aot(cached: bool) -> Callable[..., Any]:
+        wrap = serializable if cached else (lambda compiler: compiler)  # NOTE [warm start]
+        return aot_autograd(fw_compiler=wrap(compile_fw), bw_compiler=wrap(compile_bw),
+                            inference_compiler=wrap(compile_inf), partition_fn=partition,
+                            decompositions=select_decomp_table())
+
+    aot_cached, aot_uncached = aot(True), aot(False)
+    settings = repr((options, hw))
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
         with timed("fsdp.outline"):
             gm = outer_markers(gm, example_inputs, keep_bodies=options.outlines())
+        gm = inductor_pre_grad_passes(gm, example_inputs)
+        cached = _cacheable(options)
+        if cached:
+            setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
         with region_schemas_once():
-            return aot(inductor_pre_grad_passes(gm, example_inputs), example_inputs)
+            compiled = (aot_cached if cached else aot_uncached)(gm, example_inputs)
+        return lockstep.note_failures(compiled) if options.check_agreement else compiled
 
     setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]
     return backend
+
+
+def _cacheable(options: BackendOptions) -> bool:
+    """Whether AOTAutograd's cache may serve this compile (NOTE [warm start] in ``cache.py``): not
+    where the user asked to see each compile's schedule."""
+    return options.inductor and options.dump_dir is None and not _observers and not schedule_logged()
 
 
 def _refuse_unmanaged_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

@@ -40,6 +40,11 @@ def logs_on_rank(rank: int, setting: str | None) -> bool:
         raise ValueError(f"{LOG_RANKS_ENV}={setting!r}: use 'all' or comma-separated ranks such as '0,3'") from None
 
 
+def schedule_logged() -> bool:
+    """Whether schedules are logged here (``TORCH_LOGS=fsdp_schedule``)."""
+    return _log.isEnabledFor(logging.DEBUG)
+
+
 def log_schedule(kind: str, text_fn: Callable[[], str]) -> None:
     """Log a compiled graph's schedule table to the artifact logger (on the ranks of ``logs_on_rank``)
     and to the structured trace (every rank).

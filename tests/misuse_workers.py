@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._dynamo.utils import counters
 
 from fsdp_compile import FsdpGroups, local_shard, make_backend
 from fsdp_compile.models import Transformer, loss_fn
@@ -149,10 +150,10 @@ def ragged_lengths(rank: int, world: int, backend_kw: dict[str, Any]) -> dict[st
 # ---------------------------------------------------------------------------------------------
 
 
-def _tiny_model(groups: FsdpGroups) -> tuple[nn.Module, Any]:
+def _tiny_model(groups: FsdpGroups, inductor: bool = False) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     model = shard_model(Transformer(TINY), groups)
-    return model, torch.compile(model, backend=make_backend(inductor=False))
+    return model, torch.compile(model, backend=make_backend(inductor=inductor))
 
 
 def _train_step(compiled: Any, step: int) -> None:
@@ -176,11 +177,12 @@ def peer_fails_before_first_forward(rank: int, world: int, victim: int, how: str
         raise _timed(start, e) from e
 
 
-def forward_on_rank_zero_only(rank: int, world: int, evaluated_before: bool) -> None:
+def forward_on_rank_zero_only(rank: int, world: int, evaluated_before: bool, warm_start: bool = False) -> None:
     """Two training steps; optionally one evaluation on every rank; then an evaluation on rank 0 only
-    while the other ranks keep training."""
+    while the other ranks keep training. ``warm_start``: under Inductor, every graph loaded from the
+    caches that :func:`evaluate_everywhere` filled (the message says how many were)."""
     groups = FsdpGroups.create()
-    _, compiled = _tiny_model(groups)
+    _, compiled = _tiny_model(groups, inductor=warm_start)
     for step in range(2):
         _train_step(compiled, step)
     if evaluated_before:
@@ -195,7 +197,21 @@ def forward_on_rank_zero_only(rank: int, world: int, evaluated_before: bool) -> 
         for step in range(3, 5):
             _train_step(compiled, step)
     except Exception as e:
+        if warm_start:
+            e.add_note(f"graphs loaded from the caches: {counters['aot_autograd']['autograd_cache_hit']}")
         raise _timed(start, e) from e
+
+
+def evaluate_everywhere(rank: int, world: int) -> dict[str, int]:
+    """What :func:`forward_on_rank_zero_only` runs with ``warm_start``, on every rank alike (filling the
+    caches with its training and inference graphs); AOTAutograd's cache counters."""
+    groups = FsdpGroups.create()
+    _, compiled = _tiny_model(groups, inductor=True)
+    for step in range(3):
+        _train_step(compiled, step)
+        with torch.no_grad():
+            compiled(_tokens(9, 2, 6, TINY.vocab_size)[0])
+    return {k: int(v) for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache_")}
 
 
 # ---------------------------------------------------------------------------------------------

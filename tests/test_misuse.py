@@ -11,7 +11,12 @@ import pytest
 
 from fsdp_compile.launch import RankFailure, run_ranks
 
-from .misuse_workers import forward_on_rank_zero_only, peer_fails_before_first_forward, trains_correctly
+from .misuse_workers import (
+    evaluate_everywhere,
+    forward_on_rank_zero_only,
+    peer_fails_before_first_forward,
+    trains_correctly,
+)
 
 PG_TIMEOUT_S = 12.0  # the process group's timeout in the tests that wait for it
 ALLOWED_S = PG_TIMEOUT_S + 30.0  # the target: every surviving rank raises within the timeout + 30 s
@@ -87,6 +92,25 @@ def test_a_forward_on_some_ranks_only_fails_in_time_and_says_so(evaluated_before
         text = _rank_text(info.value, rank)
         assert _seconds(text) <= ALLOWED_S, text
         assert "some ranks only" in text, text
+    assert "inference graph" in _rank_text(info.value, 0)
+
+
+def test_a_forward_on_some_ranks_only_after_a_warm_start_fails_in_time_and_says_so(tmp_path: Any,
+                                                                                   monkeypatch: Any) -> None:
+    """The same mistake when every graph, the inference graph too, comes from the caches of an earlier
+    start (NOTE [warm start]): nothing is compiled, so the check-in inside the loaded graphs (NOTE
+    [lockstep]) is what notices."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    filled = run_ranks(evaluate_everywhere, 2, pg_timeout_s=PG_TIMEOUT_S, timeout=600)
+    assert [r.get("autograd_cache_saved") for r in filled] == [2, 2]  # training and inference graphs
+    with pytest.raises(RankFailure) as info:
+        run_ranks(forward_on_rank_zero_only, 2, True, True, pg_timeout_s=PG_TIMEOUT_S,
+                  timeout=ALLOWED_S + 150, grace_s=ALLOWED_S)
+    for rank in (0, 1):
+        text = _rank_text(info.value, rank)
+        assert _seconds(text) <= ALLOWED_S, text
+        assert "some ranks only" in text, text
+        assert "graphs loaded from the caches: 2" in text, text
     assert "inference graph" in _rank_text(info.value, 0)
 
 

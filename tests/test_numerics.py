@@ -105,6 +105,21 @@ def test_slow_path_trains_correctly_and_warns_once() -> None:
         assert len(warned) == 1, warned
 
 
+def test_a_warm_start_loads_each_ranks_own_graphs_and_trains_exactly(tmp_path: Any, monkeypatch: Any) -> None:
+    """NOTE [warm start]: two process starts of 2 ranks over one cache directory. The second loads its
+    compiled graphs from AOTAutograd's cache, each rank its own (their in-place all-gathers differ), runs
+    their lockstep check-ins, and trains exactly as the reference."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    case = Case(steps=3)
+    first = run_ranks(train_case, 2, case)
+    second = run_ranks(train_case, 2, case)
+    assert [r["aot_cache"] for r in first] == [{"miss": 1, "saved": 1}] * 2
+    assert [r["aot_cache"] for r in second] == [{"hit": 1}] * 2
+    assert len(list((tmp_path / "aotautograd").iterdir())) == 2  # one entry per rank
+    check(first, steps=3)
+    check(second, steps=3)
+
+
 def test_world_size_one_elides_collectives() -> None:
     """One rank: no collective at all, gradients straight into the shards (no packing copies)."""
     check(run_ranks(train_case, 1, Case(steps=4)), steps=4)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import _world
 
@@ -307,6 +308,8 @@ def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
         "reduce_scatters": scatters,
         "groups": n_groups,
         "shard_world": shard_world,
+        "aot_cache": {k.removeprefix("autograd_cache_"): int(v) for k, v in counters["aot_autograd"].items()
+                      if k.startswith("autograd_cache_")},
     }
 
 

@@ -1,0 +1,82 @@
+"""Warm start (NOTE [warm start] in fsdp_compile/cache.py): AOTAutograd's cache serves what our backend
+compiled, under a key that also holds our options, the ranks and our source, and is bypassed where the
+user asked to see each compile.
+
+Each test compiles a small sharded model afresh (Dynamo reset) in one fresh cache directory and reads
+AOTAutograd's cache counters. The groups are made once per world: a process start makes its groups in
+the same order, so they get the same names, which the markers hold, but within a process a new group
+gets a new name; the gloo test in test_numerics.py (``warm-start``) checks that a second
+process start of 2 ranks loads its own rank's graphs and trains exactly as the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
+
+from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile.backend import observe_graphs
+from fsdp_compile.models import Transformer, loss_fn
+
+from .graph_utils import SMALL, fake_process_group, shard_blocks_then_root
+
+
+_groups: list[FsdpGroups] = []
+
+
+def _train_step(**backend_kw: Any) -> dict[str, int]:
+    """Compile a freshly sharded SMALL model and run one step; AOTAutograd's cache counters of it."""
+    torch._dynamo.reset()
+    counters["aot_autograd"].clear()
+    torch.manual_seed(0)
+    model = shard_blocks_then_root(Transformer(SMALL), _groups[-1])
+    compiled = torch.compile(model, backend=make_backend(**backend_kw), fullgraph=True)
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss_fn(compiled(tokens[:, :-1]), tokens[:, 1:]).backward()
+    return {k.removeprefix("autograd_cache_"): int(v) for k, v in counters["aot_autograd"].items()
+            if k.startswith("autograd_cache_")}
+
+
+@contextlib.contextmanager
+def _fresh_world(rank: int = 0) -> Iterator[None]:
+    with fake_process_group(2, rank=rank):
+        _groups.append(FsdpGroups.create())
+        try:
+            yield
+        finally:
+            _groups.pop().destroy()
+
+
+def test_a_second_compile_loads_what_the_first_saved() -> None:
+    with fresh_cache(), _fresh_world():
+        assert _train_step() == {"miss": 1, "saved": 1}
+        assert _train_step() == {"hit": 1}
+
+
+def test_other_options_or_another_rank_compile_again() -> None:
+    """Our options change the compiled graphs without changing Dynamo's graph, and so does the rank
+    (the in-place all-gather writes its own slice): each must get its own entry."""
+    with fresh_cache():
+        with _fresh_world(rank=0):
+            assert _train_step() == {"miss": 1, "saved": 1}
+            assert _train_step(prefetch=0) == {"miss": 1, "saved": 1}
+            assert _train_step(prefetch=0) == {"hit": 1}
+        with _fresh_world(rank=1):
+            assert _train_step() == {"miss": 1, "saved": 1}
+
+
+def test_asking_to_see_each_compile_bypasses_the_cache(tmp_path: Any) -> None:
+    """Observed graphs and schedule dumps come from a real compile, every time."""
+    with fresh_cache(), _fresh_world():
+        assert _train_step() == {"miss": 1, "saved": 1}
+        with observe_graphs() as seen:
+            assert _train_step() == {}
+        assert [kind for kind, _ in seen] == ["forward", "backward"]
+        assert _train_step(dump_dir=tmp_path) == {}
+        assert any(tmp_path.iterdir())
+        assert _train_step() == {"hit": 1}

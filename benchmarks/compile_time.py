@@ -37,6 +37,7 @@ GPU:  python -m benchmarks.compile_time --device cuda --dim 1024 --layers 4 16 3
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -60,6 +61,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-compile": ("fsdp", {}),  # the default: identical blocks outlined (NOTE [outlined units])
     "fsdp-compile-whole": ("fsdp", {"outline": False}),  # one whole-model graph, every block inline
     "fsdp2-compile": ("fsdp2", {}),
+    # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/peers.py; CUDA only)
+    "simplefsdp": ("simplefsdp", {}),
 }
 DEFAULT_VARIANTS = ("compile", "fsdp-compile", "fsdp-compile-whole", "fsdp2-compile")
 
@@ -109,11 +112,15 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
     how, backend_kw = VARIANTS[variant]
     if how == "plain":
         return torch.compile(model)
-    if how == "fsdp2":
+    if how in ("fsdp2", "simplefsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
+        from benchmarks.peers import build_simple_fsdp
+
         mesh = init_device_mesh(device, (1 if device == "cuda" else world,))
+        if how == "simplefsdp":
+            return build_simple_fsdp(model, mesh)
         for block in model.layers:
             fsdp2_fully_shard(block, mesh=mesh)
         fsdp2_fully_shard(model, mesh=mesh)
@@ -166,8 +173,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         profile.enable()
     from fsdp_compile.backend import observe_graphs
 
+    # Observing the compiled graphs bypasses AOTAutograd's cache (NOTE [warm start]): not on warm starts.
+    warm_start = os.environ.get("TORCHINDUCTOR_AUTOGRAD_CACHE") == "1"
     t0, w0 = clock(), time.perf_counter()
-    with observe_graphs() as seen:
+    with contextlib.nullcontext([]) if warm_start else observe_graphs() as seen:
         loss_of(spec, forward, batch).backward()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -194,7 +203,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     dist.destroy_process_group()
     return {"variant": args.variant, "layers": args.layers, "total_s": total, "wall_s": wall, "clock": args.clock,
             "stages": stages_from(metrics, total), "step_ms": step_ms, "schedule": schedule,
-            "graphs": graphs, "late_graphs": late, "metrics": metrics}
+            "graphs": graphs, "late_graphs": late, "metrics": metrics,
+            "aot_cache": {k: int(v) for k, v in counters["aot_autograd"].items() if "autograd_cache" in k}}
 
 
 # --- the parent: rounds of children -------------------------------------------------------------------------

@@ -8,6 +8,10 @@ under ``cProfile``, and prints per variant the host seconds per step and the fun
 most of it (own time), with call counts per step, so two variants' tables can be read side by side.
 
 ``python -m benchmarks.host_profile --preset gpu-llama-1024 --variants fsdp-compile-keep,fsdp-compile-keep-whole``
+
+``--kernels`` profiles the GPU side instead (``torch.profiler``): per step, each class of kernel (matmuls,
+Triton kernels, NCCL, copies and fills, other ATen kernels) with its count and GPU milliseconds, and
+how much of the step the GPU is idle.
 """
 
 from __future__ import annotations
@@ -57,6 +61,47 @@ def profile_variant(name: str, spec: Any, shared: SharedGroups, steps: int, top:
     return {"variant": name, "wall_ms": wall * 1e3, "host_ms": host * 1e3, "profiled_steps": steps, "top": rows[:top]}
 
 
+_KERNEL_CLASSES = (("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "cublas")), ("triton", ("triton",)),
+                   ("nccl", ("nccl",)), ("copy/fill", ("memcpy", "memset", "copy")))
+
+
+def _kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, keys in _KERNEL_CLASSES if any(k in low for k in keys)), "other aten")
+
+
+def kernel_profile(name: str, spec: Any, shared: SharedGroups, steps: int) -> dict[str, Any]:
+    """GPU kernels of ``steps`` steps by class: count and milliseconds per step; GPU idle share."""
+    runner = build_variant(name, spec, shared, seed=0)
+    batch = make_batch(spec, seed=1, device=shared.device)
+    for _ in range(3):
+        runner.step(spec, batch)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.step(spec, batch)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    classes: dict[str, list[float]] = {}
+    spans = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            c = classes.setdefault(_kernel_class(e.name), [0, 0.0])
+            c[0] += 1
+            c[1] += e.device_time / 1e3
+            spans.append((e.time_range.start, e.time_range.end))
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):  # the union of kernel intervals, microseconds
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return {"variant": name, "wall_ms": wall * 1e3, "gpu_busy_ms": busy / 1e3 / steps,
+            "classes": {c: {"kernels_per_step": n / steps, "ms_per_step": ms / steps}
+                        for c, (n, ms) in sorted(classes.items())}}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="gpu-llama-1024")
@@ -65,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", default=None)
+    p.add_argument("--kernels", action="store_true", help="GPU kernels by class instead of the host profile")
     ns = p.parse_args(argv)
     names = [v for v in ns.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
@@ -87,11 +133,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for name in names:
             torch._dynamo.reset()
-            results.append(profile_variant(name, spec, shared, ns.steps, ns.top))
+            results.append(kernel_profile(name, spec, shared, ns.steps) if ns.kernels
+                           else profile_variant(name, spec, shared, ns.steps, ns.top))
     finally:
         shared.destroy()
         dist.destroy_process_group()
-    for r in results:
+    if ns.kernels:
+        for r in results:
+            print(f"\n{r['variant']}: {r['wall_ms']:.2f} ms wall, GPU busy {r['gpu_busy_ms']:.2f} ms per step")
+            for cls, row in r["classes"].items():
+                print(f"  {cls:12s} {row['kernels_per_step']:7.0f} kernels {row['ms_per_step']:8.3f} ms")
+    for r in results if not ns.kernels else []:
         print(f"\n{r['variant']}: {r['wall_ms']:.2f} ms wall, {r['host_ms']:.2f} ms host per step (profiled)")
         print("   own ms   cum ms  calls  function")
         for row in r["top"]:

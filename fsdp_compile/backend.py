@@ -390,8 +390,8 @@ def make_backend(
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
     With Inductor's caches on (torch's default), a later process start loads what this backend compiled
-    instead of compiling again (NOTE [warm start] in ``cache.py``); ``dump_dir``, ``observe_graphs``
-    and ``TORCH_LOGS=fsdp_schedule`` compile afresh, so that they show the schedule.
+    instead of compiling again (NOTE [warm start] in ``cache.py``); ``dump_dir``, ``log_pass_diffs``,
+    ``observe_graphs`` and ``TORCH_LOGS=fsdp_schedule`` compile afresh, so that they show the schedule.
     """
     options = BackendOptions(
         schedule=schedule,
@@ -445,7 +445,8 @@ def make_backend(
 def _cacheable(options: BackendOptions) -> bool:
     """Whether AOTAutograd's cache may serve this compile (NOTE [warm start] in ``cache.py``): not
     where the user asked to see each compile's schedule."""
-    return options.inductor and options.dump_dir is None and not _observers and not schedule_logged()
+    shown = options.dump_dir is not None or options.log_pass_diffs or _observers or schedule_logged()
+    return options.inductor and not shown
 
 
 def _refuse_unmanaged_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

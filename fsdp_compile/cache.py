@@ -17,7 +17,7 @@ AOTAutograd's key covers (it pickles the graph module's attributes). A loaded gr
 compile-time steps: the lockstep check-in and the agreement check therefore live inside the compiled
 graph (``fsdp::check_in``, NOTE [lockstep]) so a loaded graph still does them.
 
-The backend bypasses the cache where a user asks to see each compile: schedule dumps,
+The backend bypasses the cache where a user asks to see each compile: schedule dumps, pass diffs,
 ``observe_graphs``, the ``fsdp_schedule`` log, and ``inductor=False`` (nothing serializable).
 """
 

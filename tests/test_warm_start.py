@@ -71,7 +71,7 @@ def test_other_options_or_another_rank_compile_again() -> None:
 
 
 def test_asking_to_see_each_compile_bypasses_the_cache(tmp_path: Any) -> None:
-    """Observed graphs and schedule dumps come from a real compile, every time."""
+    """Observed graphs, schedule dumps and pass diffs come from a real compile, every time."""
     with fresh_cache(), _fresh_world():
         assert _train_step() == {"miss": 1, "saved": 1}
         with observe_graphs() as seen:
@@ -79,4 +79,5 @@ def test_asking_to_see_each_compile_bypasses_the_cache(tmp_path: Any) -> None:
         assert [kind for kind, _ in seen] == ["forward", "backward"]
         assert _train_step(dump_dir=tmp_path) == {}
         assert any(tmp_path.iterdir())
+        assert _train_step(log_pass_diffs=True) == {}
         assert _train_step() == {"hit": 1}

@@ -85,12 +85,14 @@ def kernel_profile(name: str, spec: Any, shared: SharedGroups, steps: int) -> di
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
     classes: dict[str, list[float]] = {}
+    names: dict[str, list[float]] = {}
     spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            c = classes.setdefault(_kernel_class(e.name), [0, 0.0])
-            c[0] += 1
-            c[1] += e.device_time / 1e3
+            for table, key in ((classes, _kernel_class(e.name)), (names, e.name)):
+                c = table.setdefault(key, [0, 0.0])
+                c[0] += 1
+                c[1] += e.device_time / 1e3
             spans.append((e.time_range.start, e.time_range.end))
     busy, end = 0.0, float("-inf")
     for start, stop in sorted(spans):  # the union of kernel intervals, microseconds
@@ -99,7 +101,9 @@ def kernel_profile(name: str, spec: Any, shared: SharedGroups, steps: int) -> di
             end = stop
     return {"variant": name, "wall_ms": wall * 1e3, "gpu_busy_ms": busy / 1e3 / steps,
             "classes": {c: {"kernels_per_step": n / steps, "ms_per_step": ms / steps}
-                        for c, (n, ms) in sorted(classes.items())}}
+                        for c, (n, ms) in sorted(classes.items())},
+            "kernels": [{"name": k[:160], "class": _kernel_class(k), "per_step": n / steps, "ms_per_step": ms / steps}
+                        for k, (n, ms) in sorted(names.items(), key=lambda kv: -kv[1][1])]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n{r['variant']}: {r['wall_ms']:.2f} ms wall, GPU busy {r['gpu_busy_ms']:.2f} ms per step")
             for cls, row in r["classes"].items():
                 print(f"  {cls:12s} {row['kernels_per_step']:7.0f} kernels {row['ms_per_step']:8.3f} ms")
+            for row in [k for k in r["kernels"] if k["class"] == "copy/fill"][:6]:
+                print(f"    copy/fill {row['per_step']:5.0f} x {row['ms_per_step']:7.3f} ms  {row['name'][:100]}")
     for r in results if not ns.kernels else []:
         print(f"\n{r['variant']}: {r['wall_ms']:.2f} ms wall, {r['host_ms']:.2f} ms host per step (profiled)")
         print("   own ms   cum ms  calls  function")

@@ -74,7 +74,7 @@ def _from_graph_input(node: fx.Node) -> bool:
 
 def _tag_recompute(node: fx.Node) -> None:
     node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    node.meta["ac_graph_id"] = 1 << 30  # above every activation-checkpoint region (see backend._AC_GRAPH_ID)
+    node.meta["ac_graph_id"] = 1 << 30  # above every activation-checkpoint region (see partition._AC_GRAPH_ID)
 
 
 def reshard_after_forward_pass(joint: fx.GraphModule) -> fx.GraphModule:

@@ -5,9 +5,9 @@
 1. AOTAutograd traces the joint forward+backward graph with Inductor's decompositions (after
    Inductor's pre-grad passes, as ``torch.compile`` runs them); the graph holds ``fsdp::unshard``
    markers in forward and ``fsdp::reduce_grad`` markers in backward.
-2. ``partition`` runs Inductor's joint-graph passes, marks each unshard of a resharding unit
-   must-recompute, then min-cut partitions: forward saves the *shard* and backward gathers again
-   (see NOTE [reshard by recompute]).
+2. ``partition`` (``partition.py``) runs Inductor's joint-graph passes, marks each unshard of a
+   resharding unit must-recompute, then min-cut partitions: forward saves the *shard* and backward
+   gathers again (see NOTE [reshard by recompute]).
 3. The passes (``passes/``) lower markers to collectives on the two groups and schedule them; the
    streams are checked, every rank's collective sequence is compared (NOTE [agreement]), and the
    schedule goes to logs and dumps.
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import operator
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils.checkpoint import CheckpointPolicy
 
 from passes import NamedPass, run_passes
 from passes.absorb import absorb_copies_pass
@@ -46,7 +44,6 @@ from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
 from passes.share import share_subgraphs_pass
 from passes.streams import check_streams, streams_pass
-from passes.predicates import UnshardArgs, is_unshard
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
 from . import agreement, autotune, cache, lockstep
@@ -54,11 +51,9 @@ from ._compat import (
     aot_autograd,
     compile_fx_inner,
     inductor_config_patch,
-    inductor_joint_graph_passes,
     inductor_pre_grad_passes,
     lowering_outlined_bodies,
     make_boxed_func,
-    min_cut_rematerialization_partition,
     region_schemas_once,
     resolve_group,
     select_decomp_table,
@@ -70,26 +65,11 @@ from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule, schedule_logged
 from .module import OUTLINES
+from .partition import partition
 from .regions import outer_markers
 from .units import is_sharded
 
 __all__ = ["BackendOptions", "make_backend", "fsdp_backend", "observe_graphs"]
-
-_VIEW_OPS = {
-    torch.ops.aten.t.default,
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.expand.default,
-    torch.ops.aten.unsqueeze.default,
-    torch.ops.aten.squeeze.dim,
-    torch.ops.aten.slice.Tensor,
-    torch.ops.aten.select.int,
-    torch.ops.prims.convert_element_type.default,
-    torch.ops.aten._to_copy.default,
-}
 
 
 @dataclass(frozen=True)
@@ -172,83 +152,6 @@ def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
         yield seen
     finally:
         _observers.remove(observer)
-
-
-# Activation-checkpoint regions are numbered from 0 up; the partitioner turns a must-recompute node
-# into must-save when a user belongs to a *later* region. Our tags carry a number above every region,
-# so an unshard read inside a checkpointed block is still recomputed, never saved.
-_AC_GRAPH_ID = 1 << 30
-
-
-def _tag_reshard(joint: fx.GraphModule) -> None:
-    """NOTE [reshard by recompute]: mark unshards of resharding units (and the view/cast chains that
-    only read them) must-recompute, so the partitioner cannot save a gathered param for backward and
-    instead re-runs the unshard there; units with ``reshard_after_forward=False`` are must-save."""
-    for node in joint.graph.nodes:
-        if not is_unshard(node):
-            continue
-        reshard = UnshardArgs.of(node).reshard
-        policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
-        node.meta["recompute"] = policy
-        node.meta["ac_graph_id"] = _AC_GRAPH_ID
-        if not reshard:
-            continue
-        frontier = list(node.users)
-        while frontier:
-            user = frontier.pop()
-            if user.op == "call_function" and user.target in _VIEW_OPS and user.meta.get("ac_graph_id") != _AC_GRAPH_ID:
-                user.meta["recompute"] = policy
-                user.meta["ac_graph_id"] = _AC_GRAPH_ID
-                frontier.extend(user.users)
-
-
-def _read_passed_through_inputs(joint: fx.GraphModule) -> None:
-    """NOTE [reshard through outlined bodies]: AOTAutograd splits each ``invoke_subgraph`` call (see
-    NOTE [outlined units] in module.py) into a forward call that also returns what its backward
-    saves, and a backward call that reads those. A saved value that is just one of the forward call's
-    inputs, such as a gathered parameter, would then reach backward through the forward call's output,
-    where the must-recompute tag on its unshard cannot see it: the full parameter would be kept from
-    forward to backward. Reading such values from the input itself lets the partitioner recompute the
-    unshard in backward, as it does for inline units. Views of them that the body would save, such as
-    a transposed weight, are recomputed in its backward instead: :func:`_tag_input_views`."""
-    for node in joint.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
-        body = getattr(joint, str(node.args[0].target))  # type: ignore[union-attr]
-        placeholders = {p: i for i, p in enumerate(body.graph.find_nodes(op="placeholder"))}
-        (results,) = body.graph.find_nodes(op="output")[0].args
-        for user in list(node.users):
-            if user.target is operator.getitem and results[user.args[1]] in placeholders:
-                user.replace_all_uses_with(node.args[2 + placeholders[results[user.args[1]]]])
-
-
-def _tag_input_views(joint: fx.GraphModule) -> None:
-    """NOTE [reshard through outlined bodies], the body's side: in an outlined body's joint graph, views
-    (and casts) of the body's inputs are must-recompute, so that its forward saves the input itself
-    (which the outer graph then reads from the call's operand) instead of a view of it, such as the
-    transposed weight of a linear layer, which would keep the gathered parameter alive to backward."""
-    for primal in joint.graph.find_nodes(op="placeholder"):
-        if not primal.name.startswith("primals"):
-            continue
-        frontier = list(primal.users)
-        while frontier:
-            user = frontier.pop()
-            if user.op == "call_function" and user.target in _VIEW_OPS and "recompute" not in user.meta:
-                user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                user.meta["ac_graph_id"] = _AC_GRAPH_ID
-                frontier.extend(user.users)
-
-
-def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Inductor's joint-graph passes (as ``torch.compile`` runs them), :func:`_tag_reshard`, then the
-    min-cut partition. AOTAutograd partitions each outlined body's joint graph first, with no inputs
-    (``run_joint_graph_passes_on_hops``): those get :func:`_tag_input_views` instead."""
-    with timed("fsdp.partition"):
-        joint = inductor_joint_graph_passes(joint, joint_inputs)
-        if len(joint_inputs) == 0:  # an outlined body
-            _tag_input_views(joint)
-        else:
-            _read_passed_through_inputs(joint)
-            _tag_reshard(joint)
-        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
 
 def _lowering(options: BackendOptions) -> list[NamedPass]:

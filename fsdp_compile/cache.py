@@ -10,6 +10,7 @@ compiled graphs depending on
 
 - the backend's options and cost model (prefetch depth, bucket caps, the schedule...),
 - each group's size and this process's rank in it (the in-place all-gather writes its rank's slice),
+  and its timeout (how long the check-in inside the graph waits for peers),
 - fsdp-compile's own code,
 
 so :func:`cache_key` digests those, and the backend sets it on the Dynamo graph as an attribute, which
@@ -34,7 +35,7 @@ from torch import fx
 
 from passes.predicates import ReduceGradArgs, UnshardArgs, is_reduce_grad, is_unshard
 
-from ._compat import resolve_group
+from ._compat import group_timeout_s, resolve_group
 
 __all__ = ["ATTRIBUTE", "cache_key", "source_digest"]
 
@@ -69,12 +70,13 @@ def _group_names(gm: fx.GraphModule) -> list[str]:
     return sorted(names)
 
 
-def _ranks(names: Iterable[str]) -> dict[str, tuple[int, int]]:
-    """``name -> (this process's rank in the group, the group's size)``."""
+def _ranks(names: Iterable[str]) -> dict[str, tuple[int, int, float]]:
+    """``name -> (this process's rank in the group, the group's size, its timeout)``: the timeout is the
+    agreement check's and the check-in's wait, which the compiled graph holds (NOTE [lockstep])."""
     out = {}
     for name in names:
         group = resolve_group(name)
-        out[name] = (group.rank(), group.size())
+        out[name] = (group.rank(), group.size(), group_timeout_s(group))
     return out
 
 

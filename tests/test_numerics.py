@@ -118,6 +118,10 @@ def test_a_warm_start_loads_each_ranks_own_graphs_and_trains_exactly(tmp_path: A
     assert len(list((tmp_path / "aotautograd").iterdir())) == 2  # one entry per rank
     check(first, steps=3)
     check(second, steps=3)
+    # The check-in inside a compiled graph waits for peers as long as the group's timeout says: a
+    # start with another timeout compiles its own graphs.
+    other_timeout = run_ranks(train_case, 2, Case(steps=1), pg_timeout_s=77.0)
+    assert [r["aot_cache"] for r in other_timeout] == [{"miss": 1, "saved": 1}] * 2
 
 
 def test_world_size_one_elides_collectives() -> None:

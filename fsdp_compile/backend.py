@@ -214,7 +214,7 @@ def _compile(
         observer(kind, gm)
     compiled = _inductor(gm, example_inputs, options=options, graph_id=graph_id, is_backward=is_backward,
                          is_inference=is_inference) if options.inductor else make_boxed_func(gm.forward)
-    return lockstep.guard(compiled, identity) if identity is not None else compiled
+    return lockstep.note_failures(compiled, boxed=True) if identity is not None else compiled
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: BackendOptions, graph_id: int,

@@ -25,7 +25,7 @@ graph skipped when it was not compiled; on a cold start that check already ran a
 And when a collective inside a compiled graph fails (gloo's timeout, a closed connection), the error
 gets a note saying what every peer is doing (``peers.describe``), e.g. "rank 0: waiting for its peers
 to run an inference graph", so the message names the mistake and not only its symptom
-(:func:`guard`, :func:`note_failures`).
+(:func:`note_failures`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import fx
 from . import peers
 from .agreement import GraphIdentity, check_agreement
 
-__all__ = ["guard", "insert_check_in", "note_failures"]
+__all__ = ["insert_check_in", "note_failures"]
 
 
 @dataclass
@@ -167,34 +167,16 @@ def _noted(e: Exception, graph: GraphIdentity | None) -> Exception | None:
     return None
 
 
-def guard(compiled: Callable[[list[Any]], Any], graph: GraphIdentity) -> Callable[[list[Any]], Any]:
-    """``compiled`` (a boxed graph callable, its first node ``fsdp::check_in``) with failure notes.
+def note_failures(compiled: Callable[..., Any], *, boxed: bool = False) -> Callable[..., Any]:
+    """``compiled`` noting a failed collective with what every peer does, naming the graph this process
+    last checked in with (the failing one: ``fsdp::check_in`` is its first node).
 
-    Keeps what AOTAutograd's cache reads off a compiled graph (its key in Inductor's graph cache), so
-    that a guarded graph is still saved for a warm start."""
+    Applied to each compiled graph with peers (``boxed``: it takes its inputs as one list), keeping
+    what AOTAutograd's cache reads off it (its key in Inductor's graph cache) so that it is still
+    saved for a warm start; and to what AOTAutograd returns for a Dynamo graph, since the graphs loaded
+    from the caches on a warm start carry no wrapper of their own (NOTE [warm start] in ``cache.py``):
+    that covers their forward at least."""
 
-    def run(args: list[Any]) -> Any:
-        try:
-            return compiled(args)
-        except Exception as e:
-            replacement = _noted(e, graph)
-            if replacement is not None:
-                raise replacement from e
-            raise
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    for attr in ("_fx_graph_cache_key", "_fx_graph_cache_debug_lines"):
-        if hasattr(compiled, attr):
-            setattr(run, attr, getattr(compiled, attr))
-    return run
-
-
-def note_failures(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled`` (what AOTAutograd returns for a Dynamo graph) noting a failed collective with the
-    last graph this process checked in with: the graphs loaded from the caches on a warm start carry
-    no :func:`guard` (NOTE [warm start] in ``cache.py``), and this covers their forward at least."""
-
-    @functools.wraps(compiled)
     def run(*args: Any) -> Any:
         try:
             return compiled(*args)
@@ -204,4 +186,11 @@ def note_failures(compiled: Callable[..., Any]) -> Callable[..., Any]:
                 raise replacement from e
             raise
 
+    if boxed:
+        run._boxed_call = True  # type: ignore[attr-defined]
+        for attr in ("_fx_graph_cache_key", "_fx_graph_cache_debug_lines"):
+            if hasattr(compiled, attr):
+                setattr(run, attr, getattr(compiled, attr))
+    else:
+        functools.update_wrapper(run, compiled)
     return run

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_compile import FsdpGroups, make_backend
-from fsdp_compile.agreement import fingerprint
+from fsdp_compile import FsdpGroups, lockstep, make_backend
+from fsdp_compile.agreement import GraphIdentity, fingerprint
 from fsdp_compile.launch import RankFailure, run_ranks
 
 from .graph_utils import ThreeUnits, capture, shard_blocks_then_root
@@ -81,3 +82,26 @@ def test_fingerprint_lists_collectives_in_order(groups: FsdpGroups) -> None:
         "wait(all_gather_into_tensor_out, unit 0)",
     ]
     assert sum(e.startswith("reduce_scatter") for e in fingerprint(graphs["backward"])) == 3
+
+
+def test_a_failed_collective_is_noted_once_with_the_graph_last_checked_in_with(fake_world: int) -> None:
+    """NOTE [lockstep]: the error of a collective that fails inside a compiled graph gets one note naming
+    that graph (the one this process last checked in with) and what the peers do, through both the
+    graph's wrapper and the Dynamo-level one; other errors pass untouched."""
+    graph = GraphIdentity(kind="backward", collectives=("reduce_scatter(unit 0, group g0, float32[4])",),
+                          groups=((0, 1),), timeout_s=1.0)
+    lockstep._state.get().last = graph
+
+    def failing(error: Exception) -> Any:
+        def run(args: list[Any]) -> None:
+            raise error
+        return lockstep.note_failures(lockstep.note_failures(run, boxed=True))
+
+    with pytest.raises(RuntimeError) as info:
+        failing(RuntimeError("[gloo] Timed out waiting 1000ms for recv operation"))([])
+    (note,) = info.value.__notes__
+    assert note.startswith("fsdp_compile: a collective of a backward graph with 1 collectives failed on rank 0. "
+                           "Its peers: rank 1:"), note
+    with pytest.raises(ValueError) as other:
+        failing(ValueError("not a collective"))([])
+    assert not getattr(other.value, "__notes__", None)

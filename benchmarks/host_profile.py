@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import linecache
 import os
 import pstats
 import sys
@@ -70,15 +71,52 @@ def _kernel_class(name: str) -> str:
     return next((cls for cls, keys in _KERNEL_CLASSES if any(k in low for k in keys)), "other aten")
 
 
-def kernel_profile(name: str, spec: Any, shared: SharedGroups, steps: int) -> dict[str, Any]:
-    """GPU kernels of ``steps`` steps by class: count and milliseconds per step; GPU idle share."""
+def _launch_site(event: Any) -> dict[str, Any]:
+    """Where a CPU op that launched a kernel came from: its chain of enclosing ops (innermost first), its
+    input shapes, and the first frames of its Python stack with the source line of each (the line of
+    Inductor's generated code, read while the file exists)."""
+    chain, e = [], event
+    while e is not None and len(chain) < 6:
+        chain.append(e.name)
+        e = e.cpu_parent
+    frames = []
+    for frame in (event.stack or [])[:4]:
+        where, _, func = frame.partition(": ")
+        file, _, line = where.rpartition("(")
+        text = linecache.getline(file, int(line.rstrip(")"))) if line.rstrip(")").isdigit() else ""
+        frames.append(f"{frame} | {text.strip()[:160]}")
+    return {"ops": chain, "input_shapes": [list(map(int, s)) for s in (event.input_shapes or []) if s][:4],
+            "stack": frames}
+
+
+def _copy_sources(prof: Any, steps: int) -> list[dict[str, Any]]:
+    """The launch sites of copy kernels (``copy`` in the kernel name), grouped, with counts per step."""
+    sites: dict[str, dict[str, Any]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        for k in getattr(e, "kernels", []) or []:
+            if "copy" not in k.name.lower():
+                continue
+            site = _launch_site(e)
+            key = json.dumps([k.name[:80], site], sort_keys=True)
+            row = sites.setdefault(key, {"kernel": k.name[:120], **site, "per_step": 0.0, "ms_per_step": 0.0})
+            row["per_step"] += 1 / steps
+            row["ms_per_step"] += k.duration / 1e3 / steps
+    return sorted(sites.values(), key=lambda r: -r["ms_per_step"])
+
+
+def kernel_profile(name: str, spec: Any, shared: SharedGroups, steps: int,
+                   copy_sources: bool = False) -> dict[str, Any]:
+    """GPU kernels of ``steps`` steps by class: count and milliseconds per step; GPU idle share. With
+    ``copy_sources``, also where each copy kernel was launched from (``_copy_sources``)."""
     runner = build_variant(name, spec, shared, seed=0)
     batch = make_batch(spec, seed=1, device=shared.device)
     for _ in range(3):
         runner.step(spec, batch)
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=copy_sources, with_stack=copy_sources) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             runner.step(spec, batch)
@@ -99,7 +137,8 @@ def kernel_profile(name: str, spec: Any, shared: SharedGroups, steps: int) -> di
         if stop > end:
             busy += stop - max(start, end)
             end = stop
-    return {"variant": name, "wall_ms": wall * 1e3, "gpu_busy_ms": busy / 1e3 / steps,
+    extra = {"copy_sources": _copy_sources(prof, steps)} if copy_sources else {}
+    return {"variant": name, "wall_ms": wall * 1e3, "gpu_busy_ms": busy / 1e3 / steps, **extra,
             "classes": {c: {"kernels_per_step": n / steps, "ms_per_step": ms / steps}
                         for c, (n, ms) in sorted(classes.items())},
             "kernels": [{"name": k[:160], "class": _kernel_class(k), "per_step": n / steps, "ms_per_step": ms / steps}
@@ -115,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", default=None)
     p.add_argument("--kernels", action="store_true", help="GPU kernels by class instead of the host profile")
+    p.add_argument("--copy-sources", action="store_true",
+                   help="with --kernels: where each copy kernel was launched (ops, shapes, generated-code line)")
     ns = p.parse_args(argv)
     names = [v for v in ns.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
@@ -137,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for name in names:
             torch._dynamo.reset()
-            results.append(kernel_profile(name, spec, shared, ns.steps) if ns.kernels
+            results.append(kernel_profile(name, spec, shared, ns.steps, ns.copy_sources) if ns.kernels
                            else profile_variant(name, spec, shared, ns.steps, ns.top))
     finally:
         shared.destroy()
@@ -149,6 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {cls:12s} {row['kernels_per_step']:7.0f} kernels {row['ms_per_step']:8.3f} ms")
             for row in [k for k in r["kernels"] if k["class"] == "copy/fill"][:6]:
                 print(f"    copy/fill {row['per_step']:5.0f} x {row['ms_per_step']:7.3f} ms  {row['name'][:100]}")
+            for row in r.get("copy_sources", [])[:8]:
+                print(f"    copy from {row['per_step']:5.1f} x {row['ms_per_step']:7.3f} ms  {' < '.join(row['ops'])}"
+                      f"  {row['input_shapes']}")
+                for frame in row["stack"][:3]:
+                    print(f"        {frame[-150:]}")
     for r in results if not ns.kernels else []:
         print(f"\n{r['variant']}: {r['wall_ms']:.2f} ms wall, {r['host_ms']:.2f} ms host per step (profiled)")
         print("   own ms   cum ms  calls  function")

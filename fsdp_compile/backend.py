@@ -50,8 +50,10 @@ from . import agreement, autotune, cache, lockstep
 from ._compat import (
     aot_autograd,
     compile_fx_inner,
+    forward_user_outputs,
     inductor_config_patch,
     inductor_pre_grad_passes,
+    keep_output_strides,
     lowering_outlined_bodies,
     make_boxed_func,
     region_schemas_once,
@@ -225,6 +227,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
     # the emitted code). Patched per compile, never globally.
     # With outlined bodies, Inductor's memory reordering gave wrong gradients (NOTE [regions for our
     # backend only] in module.py): it stays off for them even with pin_order=False.
+    keep_output_strides(gm, None if is_backward or is_inference else forward_user_outputs())  # NOTE [output strides]
     calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
     patches = {"reorder_for_peak_memory": False} if options.pin_order or calls else {}
     with inductor_config_patch(patches), lowering_outlined_bodies():  # NOTE [donated subgraph inputs]

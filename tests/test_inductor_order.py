@@ -14,7 +14,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch._inductor.utils import run_and_get_code
+from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from fsdp_compile import FsdpGroups, agreement, lockstep, make_backend
 from fsdp_compile.backend import observe_graphs
@@ -108,3 +108,37 @@ class InductorOrderTest(FakeWorldTestCase):
             fx, emitted = self.compiled_orders()
         self.assertEqual(emitted, [["check_in", *order] for order in fx])
         self.assertEqual(checked, ["forward", "backward"])
+
+
+class OutputStridesTest(FakeWorldTestCase):
+    """NOTE [output strides] in fsdp_compile/_compat.py: with Inductor's stride padding on (CUDA's
+    default, switched on here for the CPU), the gradients a backward returns keep the strides they were
+    traced with, so autograd does not copy each one into its parameter's layout. One rank: its
+    gradients leave the backward as they were computed, with no collective in between."""
+
+    world_size = 1
+
+    def grad_strides(self, **backend_kw: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        torch.manual_seed(0)
+        # width 1030: a weight row of 1030 floats is above Inductor's padding threshold (1024)
+        model = shard_blocks_then_root(Mlp(n_layers=3, width=1030), FsdpGroups.create())
+        compiled = torch.compile(model, backend=make_backend(**backend_kw))
+        params = [p for p in model.parameters() if p.dim() == 2]
+        padding = {"comprehensive_padding": True, "disable_padding_cpu": False}
+        # a fresh cache: the FX graph cache's key does not hold the marks, so the control would hit
+        with fresh_cache(), torch._inductor.config.patch(padding):  # the backward compiles at its first call
+            loss = compiled(torch.randn(4, 1030, requires_grad=True)).sum()
+            grads = torch.autograd.grad(loss, params)  # as the backward returned them: no AccumulateGrad
+        return [(p.stride(), g.stride()) for p, g in zip(params, grads)]
+
+    def test_gradients_leave_the_backward_in_their_parameters_layout(self) -> None:
+        for kw in ({}, {"outline": False}):
+            strides = self.grad_strides(**kw)
+            self.assertEqual(len(strides), 6)
+            self.assertEqual([p for p, _ in strides], [g for _, g in strides], f"padded gradients with {kw}")
+
+    def test_unmarked_outputs_come_back_padded(self) -> None:
+        # The control: without the marks, Inductor pads the weights' gradients (row stride 1056).
+        with mock.patch("fsdp_compile.backend.keep_output_strides", lambda gm, outputs: None):
+            strides = self.grad_strides(outline=False)
+        self.assertIn((1056, 1), [g for _, g in strides])

@@ -1,0 +1,178 @@
+"""Does a model whose blocks run as one loop compile flat in depth? A probe for issue 11's design.
+
+fsdp-compile outlines repeated blocks (each block one call of a body compiled once), but the whole-model
+graph still holds every call and its glue, which Dynamo, AOTAutograd, our passes and Inductor each
+handle block by block: its cold compile still grows with depth. A graph with no per-block nodes at
+all would be one loop over the blocks, with each block's weights a slice of stacked tensors. This
+probe measures what torch gives such a loop today, with no sharding: plain ``torch.compile`` of one
+Llama-style stack written two ways,
+
+    loop   a Python loop over the blocks (Dynamo unrolls it: what a model's ``for layer in layers`` gives)
+    scan   one ``torch._higher_order_ops.scan`` over the stacked weights (the body traced once)
+
+each in a fresh process with Inductor's caches off: the cold compile (first forward+backward), then
+the median forward+backward step, and the loss and gradient norm, which must agree between the two.
+
+``python -m benchmarks.scan_probe --layers 4 32`` (CPU, D=32) or ``--device cuda --dim 1024`` (GPU, bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MODES = ("loop", "scan")
+_ROLES = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "attn_norm", "ffn_norm")  # the block's arguments, in order
+
+
+def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch._higher_order_ops.scan import scan
+
+    def block(h: Any, wq: Any, wk: Any, wv: Any, wo: Any, w1: Any, w2: Any, w3: Any, n1: Any, n2: Any) -> Any:
+        b, t, _ = h.shape
+        x = F.rms_norm(h, (dim,), n1)
+        q, k, v = ((x @ w.t()).view(b, t, heads, dim // heads).transpose(1, 2) for w in (wq, wk, wv))
+        h = h + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, dim) @ wo.t()
+        x = F.rms_norm(h, (dim,), n2)
+        return h + (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shapes = [(dim, dim)] * 4 + [(4 * dim, dim), (dim, 4 * dim), (4 * dim, dim)]
+            for name, shape in zip(_ROLES, shapes):  # plain attributes: torch 2.11's Dynamo cannot unpack a ParameterList
+                setattr(self, name, nn.Parameter(torch.randn(layers, *shape) * dim**-0.5))
+            for name in _ROLES[len(shapes):]:
+                setattr(self, name, nn.Parameter(torch.ones(layers, dim)))
+            self.embedding = nn.Parameter(torch.randn(vocab, dim) * 0.02)
+
+        def forward(self, tokens: Any) -> Any:
+            h = self.embedding[tokens]
+            stacked = [getattr(self, name) for name in _ROLES]
+            if mode == "scan":
+                h, _ = scan(lambda carry, ws: (block(carry, *ws), carry.new_zeros(())), h, stacked)
+            else:
+                for i in range(layers):
+                    h = block(h, *(w[i] for w in stacked))
+            return F.rms_norm(h, (dim,)) @ self.embedding.t()
+
+    return Stack()
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = _stack(args.layers[0], args.dim, args.heads, args.vocab, args.mode).to(device=device, dtype=dtype)
+    tokens = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+    compiled = torch.compile(model, fullgraph=True)
+    torch.compile(lambda x: x + 1)(torch.zeros(2, device=device))  # Inductor's one-time set-up, not counted
+
+    def step() -> Any:
+        loss = compiled(tokens[:, :-1]).float().logsumexp(-1).mean()
+        loss.backward()
+        return loss
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    t0 = clock()
+    loss = step()
+    sync()
+    compile_s = clock() - t0
+    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()])).item()
+    times = []
+    for _ in range(args.steps):
+        model.zero_grad(set_to_none=True)
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"mode": args.mode, "layers": args.layers[0], "compile_s": compile_s, "loss": loss.item(),
+            "grad_norm": grad_norm, "step_ms": statistics.median(times) if times else None}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scan_probe", description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, nargs="+", default=[4, 32])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dim", type=int, default=None, help="default: 32 on CPU, 1024 on GPU")
+    p.add_argument("--heads", type=int, default=None, help="default: 2 on CPU, 16 on GPU")
+    p.add_argument("--vocab", type=int, default=None, help="default: 64 on CPU, 32000 on GPU")
+    p.add_argument("--seq", type=int, default=None, help="default: 17 on CPU, 1025 on GPU")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--timeout-s", type=int, default=900)
+    p.add_argument("--json", default=None)
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    gpu = args.device == "cuda"
+    for name, cpu_default, gpu_default in (("dim", 32, 1024), ("heads", 2, 16), ("vocab", 64, 32000),
+                                           ("seq", 17, 1025)):
+        if getattr(args, name) is None:
+            setattr(args, name, gpu_default if gpu else cpu_default)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    runs = []
+    for layers in args.layers:
+        for mode in MODES:
+            cmd = [sys.executable, "-m", "benchmarks.scan_probe", "--child", "--mode", mode, "--layers", str(layers),
+                   "--device", args.device, "--dim", str(args.dim), "--heads", str(args.heads),
+                   "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+            if out.returncode != 0:
+                raise RuntimeError(f"{mode} L{layers} failed:\n{out.stderr[-3000:]}")
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"[{mode} L{layers}] {runs[-1]}", flush=True)
+    by = {(r["mode"], r["layers"]): r for r in runs}
+    base = min(args.layers)
+    lines = ["| layers | loop compile s | scan compile s | loop vs fewest layers | scan vs fewest layers "
+             "| loop step ms | scan step ms | same loss and grads |", "|---|---|---|---|---|---|---|---|"]
+    for layers in args.layers:
+        loop, scn = by[("loop", layers)], by[("scan", layers)]
+        same = (abs(loop["loss"] - scn["loss"]) <= 1e-3 * max(1.0, abs(loop["loss"]))
+                and abs(loop["grad_norm"] - scn["grad_norm"]) <= 1e-2 * max(1.0, loop["grad_norm"]))
+        lines.append(f"| {layers} | {loop['compile_s']:.1f} | {scn['compile_s']:.1f} "
+                     f"| {loop['compile_s'] / by[('loop', base)]['compile_s']:.2f} "
+                     f"| {scn['compile_s'] / by[('scan', base)]['compile_s']:.2f} "
+                     f"| {loop['step_ms']:.2f} | {scn['step_ms']:.2f} | {'yes' if same else 'NO'} |")
+    import torch
+
+    meta = {"date": datetime.date.today().isoformat(), "device": args.device, "torch": torch.__version__,
+            "clock": "wall" if args.device == "cuda" else "cpu",
+            "model": {k: getattr(args, k) for k in ("dim", "heads", "vocab", "seq")},
+            "command": " ".join(["python", "-m", "benchmarks.scan_probe", *(argv if argv is not None else sys.argv[1:])])}
+    path = Path(args.json) if args.json else RESULTS_DIR / f"scan_probe-{args.device}.json"
+    path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    print(f"{meta['command']}\n{meta['date']}, {args.device}, torch {meta['torch']}, {meta['clock']} seconds\n\n"
+          + "\n".join(lines) + f"\n\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,8 +12,12 @@ Llama-style stack written two ways,
 
 each in a fresh process with Inductor's caches off: the cold compile (first forward+backward), then
 the median forward+backward step, and the loss and gradient norm, which must agree between the two.
+With ``--ranks N`` (CPU, N gloo ranks) each rank keeps its rows of every block's weights and the block
+gathers them (``all_gather_tensor_autograd``, whose backward reduce-scatters the gradient to the rows):
+the collectives sit inside the scan's body, as a sharded loop's would.
 
-``python -m benchmarks.scan_probe --layers 4 32`` (CPU, D=32) or ``--device cuda --dim 1024`` (GPU, bf16).
+``python -m benchmarks.scan_probe --layers 4 32`` (CPU, D=32; ``--ranks 2``: sharded) or ``--device cuda``
+(GPU, D=1024, bf16).
 """
 
 from __future__ import annotations
@@ -35,11 +39,17 @@ MODES = ("loop", "scan")
 _ROLES = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "attn_norm", "ffn_norm")  # the block's arguments, in order
 
 
-def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str) -> Any:
+def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int = 1) -> Any:
     import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     import torch.nn.functional as F
     from torch import nn
     from torch._higher_order_ops.scan import scan
+
+    def gather(w: Any) -> Any:
+        """A block's weight from every rank's rows (its gradient is reduce-scattered back to them)."""
+        return w if ranks == 1 else funcol.all_gather_tensor_autograd(w, gather_dim=0, group=dist.group.WORLD)
 
     def block(h: Any, wq: Any, wk: Any, wv: Any, wo: Any, w1: Any, w2: Any, w3: Any, n1: Any, n2: Any) -> Any:
         b, t, _ = h.shape
@@ -58,27 +68,58 @@ def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str) -> Any:
             for name in _ROLES[len(shapes):]:
                 setattr(self, name, nn.Parameter(torch.ones(layers, dim)))
             self.embedding = nn.Parameter(torch.randn(vocab, dim) * 0.02)
+            if ranks > 1:  # keep this rank's rows of each block's weights (dim 1 of the stacks)
+                for name in _ROLES:
+                    full = getattr(self, name).detach()
+                    setattr(self, name, nn.Parameter(full.chunk(ranks, dim=1)[dist.get_rank()].clone()))
 
         def forward(self, tokens: Any) -> Any:
             h = self.embedding[tokens]
             stacked = [getattr(self, name) for name in _ROLES]
             if mode == "scan":
-                h, _ = scan(lambda carry, ws: (block(carry, *ws), carry.new_zeros(())), h, stacked)
+                h, _ = scan(lambda carry, ws: (block(carry, *map(gather, ws)), carry.new_zeros(())), h, stacked)
             else:
                 for i in range(layers):
-                    h = block(h, *(w[i] for w in stacked))
+                    h = block(h, *(gather(w[i]) for w in stacked))
             return F.rms_norm(h, (dim,)) @ self.embedding.t()
 
     return Stack()
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
+    if args.ranks == 1:
+        return _measure(args)
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rank0.json"
+        mp.spawn(_rank, args=(args, str(out)), nprocs=args.ranks)
+        return json.loads(out.read_text())
+
+
+def _rank(rank: int, args: argparse.Namespace, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29650 + args.layers[0]))
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    try:
+        result = _measure(args)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
-    model = _stack(args.layers[0], args.dim, args.heads, args.vocab, args.mode).to(device=device, dtype=dtype)
+    model = _stack(args.layers[0], args.dim, args.heads, args.vocab, args.mode, args.ranks).to(device=device,
+                                                                                             dtype=dtype)
     tokens = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
     compiled = torch.compile(model, fullgraph=True)
     torch.compile(lambda x: x + 1)(torch.zeros(2, device=device))  # Inductor's one-time set-up, not counted
@@ -119,6 +160,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=None, help="default: 64 on CPU, 32000 on GPU")
     p.add_argument("--seq", type=int, default=None, help="default: 17 on CPU, 1025 on GPU")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--ranks", type=int, default=1,
+                   help="CPU: gloo ranks; each keeps its rows of every block's weights and gathers them in the block")
     p.add_argument("--timeout-s", type=int, default=900)
     p.add_argument("--json", default=None)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
@@ -143,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for mode in MODES:
             cmd = [sys.executable, "-m", "benchmarks.scan_probe", "--child", "--mode", mode, "--layers", str(layers),
                    "--device", args.device, "--dim", str(args.dim), "--heads", str(args.heads),
-                   "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps)]
+                   "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps),
+                   "--ranks", str(args.ranks)]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
             if out.returncode != 0:
                 raise RuntimeError(f"{mode} L{layers} failed:\n{out.stderr[-3000:]}")
@@ -164,10 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     meta = {"date": datetime.date.today().isoformat(), "device": args.device, "torch": torch.__version__,
+            "ranks": args.ranks,
             "clock": "wall" if args.device == "cuda" else "cpu",
             "model": {k: getattr(args, k) for k in ("dim", "heads", "vocab", "seq")},
             "command": " ".join(["python", "-m", "benchmarks.scan_probe", *(argv if argv is not None else sys.argv[1:])])}
-    path = Path(args.json) if args.json else RESULTS_DIR / f"scan_probe-{args.device}.json"
+    suffix = f"-gather-w{args.ranks}" if args.ranks > 1 else ""
+    path = Path(args.json) if args.json else RESULTS_DIR / f"scan_probe-{args.device}{suffix}.json"
     path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     print(f"{meta['command']}\n{meta['date']}, {args.device}, torch {meta['torch']}, {meta['clock']} seconds\n\n"
           + "\n".join(lines) + f"\n\nwrote {path}")

@@ -139,6 +139,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     sync()
     compile_s = clock() - t0
     grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()])).item()
+    reference_err = _reference_error(args, model, tokens) if args.ranks > 1 else None
     times = []
     for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
@@ -148,7 +149,28 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return {"mode": args.mode, "layers": args.layers[0], "compile_s": compile_s, "loss": loss.item(),
-            "grad_norm": grad_norm, "step_ms": statistics.median(times) if times else None}
+            "grad_norm": grad_norm, "reference_err": reference_err,
+            "step_ms": statistics.median(times) if times else None}
+
+
+def _reference_error(args: argparse.Namespace, model: Any, tokens: Any) -> float:
+    """Largest difference between this rank's block-weight gradients and its rows of an unsharded,
+    uncompiled copy's (every rank ran the same tokens, and the reduce-scatter sums: ``ranks`` times)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    reference = _stack(args.layers[0], args.dim, args.heads, args.vocab, "loop")
+    reference(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
+    rank, err = dist.get_rank(), 0.0
+    for name in _ROLES:
+        expected = getattr(reference, name).grad.chunk(args.ranks, dim=1)[rank] * args.ranks
+        err = max(err, (getattr(model, name).grad - expected).abs().max().item())
+    return err
+
+
+def _err(run: dict[str, Any]) -> str:
+    return "-" if run.get("reference_err") is None else f"{run['reference_err']:.1e}"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -196,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     by = {(r["mode"], r["layers"]): r for r in runs}
     base = min(args.layers)
     lines = ["| layers | loop compile s | scan compile s | loop vs fewest layers | scan vs fewest layers "
-             "| loop step ms | scan step ms | same loss and grads |", "|---|---|---|---|---|---|---|---|"]
+             "| loop step ms | scan step ms | same loss and grads | max grad error vs unsharded (loop, scan) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for layers in args.layers:
         loop, scn = by[("loop", layers)], by[("scan", layers)]
         same = (abs(loop["loss"] - scn["loss"]) <= 1e-3 * max(1.0, abs(loop["loss"]))
@@ -204,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines.append(f"| {layers} | {loop['compile_s']:.1f} | {scn['compile_s']:.1f} "
                      f"| {loop['compile_s'] / by[('loop', base)]['compile_s']:.2f} "
                      f"| {scn['compile_s'] / by[('scan', base)]['compile_s']:.2f} "
-                     f"| {loop['step_ms']:.2f} | {scn['step_ms']:.2f} | {'yes' if same else 'NO'} |")
+                     f"| {loop['step_ms']:.2f} | {scn['step_ms']:.2f} | {'yes' if same else 'NO'} "
+                     f"| {_err(loop)}, {_err(scn)} |")
     import torch
 
     meta = {"date": datetime.date.today().isoformat(), "device": args.device, "torch": torch.__version__,

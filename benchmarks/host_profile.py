@@ -90,13 +90,14 @@ def _launch_site(event: Any) -> dict[str, Any]:
 
 
 def _copy_sources(prof: Any, steps: int) -> list[dict[str, Any]]:
-    """The launch sites of copy kernels (``copy`` in the kernel name), grouped, with counts per step."""
+    """The launch sites of copy kernels (``copy`` in the name of a kernel that is not Triton's), grouped,
+    with counts per step."""
     sites: dict[str, dict[str, Any]] = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CPU:
             continue
         for k in getattr(e, "kernels", []) or []:
-            if "copy" not in k.name.lower():
+            if "copy" not in k.name.lower() or k.name.startswith("triton_"):  # (a fused ``_to_copy`` is no copy)
                 continue
             site = _launch_site(e)
             key = json.dumps([k.name[:80], site], sort_keys=True)

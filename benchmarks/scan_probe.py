@@ -63,7 +63,8 @@ def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int 
         def __init__(self) -> None:
             super().__init__()
             shapes = [(dim, dim)] * 4 + [(4 * dim, dim), (dim, 4 * dim), (4 * dim, dim)]
-            for name, shape in zip(_ROLES, shapes):  # plain attributes: torch 2.11's Dynamo cannot unpack a ParameterList
+            # plain attributes, not a ParameterList: torch 2.11's Dynamo cannot unpack one
+            for name, shape in zip(_ROLES, shapes):
                 setattr(self, name, nn.Parameter(torch.randn(layers, *shape) * dim**-0.5))
             for name in _ROLES[len(shapes):]:
                 setattr(self, name, nn.Parameter(torch.ones(layers, dim)))
@@ -235,7 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ranks": args.ranks,
             "clock": "wall" if args.device == "cuda" else "cpu",
             "model": {k: getattr(args, k) for k in ("dim", "heads", "vocab", "seq")},
-            "command": " ".join(["python", "-m", "benchmarks.scan_probe", *(argv if argv is not None else sys.argv[1:])])}
+            "command": " ".join(["python", "-m", "benchmarks.scan_probe",
+                                 *(argv if argv is not None else sys.argv[1:])])}
     suffix = f"-gather-w{args.ranks}" if args.ranks > 1 else ""
     path = Path(args.json) if args.json else RESULTS_DIR / f"scan_probe-{args.device}{suffix}.json"
     path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))

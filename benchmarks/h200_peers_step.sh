@@ -11,10 +11,7 @@ OUT=${1:-out}
 PART=${2:-all}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source benchmarks/carried_wheels.sh
 quiet() { grep -v "^\[kernel\|Warning\|warn"; }
 if [[ $PART == all || $PART == kernels ]]; then
   timeout 200 python3 -m benchmarks.host_profile --preset gpu-llama-4096 --variants fsdp-compile,simplefsdp \

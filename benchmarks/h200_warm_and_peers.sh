@@ -11,10 +11,7 @@ set -uo pipefail
 OUT=${1:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source benchmarks/carried_wheels.sh
 MODEL="--device cuda --dim 1024 --heads 16 --vocab 32000 --seq 1024 --batch 1 --dtype bf16 --rounds 1"
 timeout 230 python3 -m benchmarks.compile_time $MODEL --warm-start --layers 4 32 --variants fsdp-compile \
   --json "$OUT/compile_time-warm-cuda-w1.json" 2>&1 | tail -6

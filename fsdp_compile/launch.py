@@ -10,9 +10,11 @@ passes ``timeout`` seconds is killed and raises too, so a wrong schedule fails i
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import io
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -43,6 +45,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
+    faulthandler.enable()  # a crash in native code still prints this rank's Python stack
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -85,6 +88,20 @@ def _collect(results: Any, world_size: int, procs: list, deadline: float, grace_
     return got
 
 
+def _how_it_ended(exitcode: int | None, hung: bool, timeout: float) -> str:
+    """Why a rank sent no result, in words that say where to look."""
+    if hung:
+        return f"was still running when the run stopped waiting ({timeout:.0f}s, or a peer had failed): a hang; killed"
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(-exitcode)
+        why = {"SIGKILL": "most often the kernel's out-of-memory killer (see `dmesg`); fewer ranks or a smaller "
+                          "model need less memory",
+               "SIGSEGV": "a crash in native code; its Python stack is in the rank's stderr (faulthandler)",
+               "SIGABRT": "an abort in native code; its Python stack is in the rank's stderr (faulthandler)"}
+        return f"died of {name} without reporting: {why.get(name, 'killed by a signal')}"
+    return f"exited with code {exitcode} without reporting (it called exit, or its interpreter failed)"
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
               pg_timeout_s: float = 120.0, threads: int | None = None, backend: str = "gloo",
               grace_s: float = 10.0) -> list[Any]:
@@ -111,6 +128,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     try:
         got = _collect(results, world_size, procs, time.monotonic() + timeout, grace_s)
     finally:
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -120,7 +138,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     missing = [r for r in range(world_size) if r not in got]
     if failed or missing:
         parts = [f"--- rank {r} raised:\n{tb}" for r, tb in sorted(failed.items())]
-        if missing:
-            parts.append(f"--- ranks {missing} did not finish within {timeout:.0f}s (killed: a hang, or a crash)")
+        parts += [f"--- rank {r} {_how_it_ended(procs[r].exitcode, r in hung, timeout)}" for r in missing]
         raise RankFailure("\n".join(parts))
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 import traceback
 from typing import Any
@@ -162,13 +163,16 @@ def _train_step(compiled: Any, step: int) -> None:
 
 
 def peer_fails_before_first_forward(rank: int, world: int, victim: int, how: str) -> None:
-    """``victim`` raises (``how="raise"``) or dies without a word (``how="exit"``) after sharding;
-    the others start training and must name it."""
+    """``victim`` raises (``how="raise"``) or dies without a word (``how="exit"``: exit code 3;
+    ``how="kill"``: SIGKILL, as the out-of-memory killer does) after sharding; the others start
+    training and must name it."""
     groups = FsdpGroups.create()
     _, compiled = _tiny_model(groups)
     if rank == victim:
         if how == "exit":
-            os._exit(3)  # killed: no exception, no note, the heartbeat just stops
+            os._exit(3)  # no exception, no note, the heartbeat just stops
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError("the data loader of this rank broke")
     start = time.monotonic()
     try:

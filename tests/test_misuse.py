@@ -65,10 +65,11 @@ def test_ranks_that_recompile_at_different_steps_train_correctly(trained: list[d
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
 
 
-@pytest.mark.parametrize("victim,how", [(1, "raise"), (1, "exit"), (0, "exit")])
+@pytest.mark.parametrize("victim,how", [(1, "raise"), (1, "exit"), (0, "kill")])
 def test_a_failed_peer_is_named_in_time(victim: int, how: str) -> None:
     """A rank raises, or dies without a word, before its first forward; the survivor, waiting in the
-    agreement check, names it within the timeout + 30 s (rank 0 also hosts the store)."""
+    agreement check, names it within the timeout + 30 s (rank 0 also hosts the store); and the parent
+    says how the silent one ended."""
     with pytest.raises(RankFailure) as info:
         run_ranks(peer_fails_before_first_forward, 2, victim, how, pg_timeout_s=PG_TIMEOUT_S,
                   timeout=ALLOWED_S + 120, grace_s=ALLOWED_S)
@@ -79,6 +80,11 @@ def test_a_failed_peer_is_named_in_time(victim: int, how: str) -> None:
         assert "rank 1 stopped: no heartbeat" in text or how == "raise"
     else:
         assert "rank 0 is most likely gone" in text or "rank 0 stopped" in text
+    if how == "exit":
+        assert f"rank {victim} exited with code 3 without reporting" in str(info.value)
+    if how == "kill":
+        assert f"rank {victim} died of SIGKILL without reporting: most often the kernel's out-of-memory" \
+            in str(info.value)
 
 
 @pytest.mark.parametrize("evaluated_before", [False, True], ids=["first-eval", "after-an-eval-on-all"])

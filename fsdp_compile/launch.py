@@ -57,8 +57,11 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
         torch.save(out, buf)  # by value: the process may exit before the parent maps shared memory
         results.put((rank, "ok", buf.getvalue()))
     except BaseException as e:  # reported to the parent, which raises
-        peers.note_failure(f"{type(e).__name__}: {e}")  # and to the peers, so they stop waiting at once
-        results.put((rank, "error", traceback.format_exc()))
+        tb = traceback.format_exc()
+        try:
+            peers.note_failure(f"{type(e).__name__}: {e}")  # and to the peers, so they stop waiting at once
+        finally:  # even where the store is gone
+            results.put((rank, "error", tb))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

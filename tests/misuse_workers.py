@@ -181,6 +181,14 @@ def peer_fails_before_first_forward(rank: int, world: int, victim: int, how: str
         raise _timed(start, e) from e
 
 
+def crashes_once(rank: int, world: int, marker: str) -> int:
+    """Rank 0 dies of SIGKILL the first time (``marker`` does not exist yet); every rank returns its rank."""
+    if rank == 0 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
 def forward_on_rank_zero_only(rank: int, world: int, evaluated_before: bool, warm_start: bool = False) -> None:
     """Two training steps; optionally one evaluation on every rank; then an evaluation on rank 0 only
     while the other ranks keep training. ``warm_start``: under Inductor, every graph loaded from the

@@ -12,6 +12,7 @@ import pytest
 from fsdp_compile.launch import RankFailure, run_ranks
 
 from .misuse_workers import (
+    crashes_once,
     evaluate_everywhere,
     forward_on_rank_zero_only,
     peer_fails_before_first_forward,
@@ -38,7 +39,8 @@ def _seconds(text: str) -> float:
 @pytest.fixture(scope="module")
 def trained() -> list[dict[str, Any]]:
     """The cases below that must train exactly, run in one spawn of 2 ranks (misuse_workers)."""
-    return run_ranks(trains_correctly, 2, pg_timeout_s=PG_TIMEOUT_S, timeout=1200)
+    # a rank crashing in native code runs the spawn again, with a warning: NOTE [crash retries]
+    return run_ranks(trains_correctly, 2, pg_timeout_s=PG_TIMEOUT_S, timeout=1200, crash_retries=1)
 
 
 def test_clip_grad_norm_is_global_with_uneven_shards(trained: list[dict[str, Any]]) -> None:
@@ -85,6 +87,15 @@ def test_a_failed_peer_is_named_in_time(victim: int, how: str) -> None:
     if how == "kill":
         assert f"rank {victim} died of SIGKILL without reporting: most often the kernel's out-of-memory" \
             in str(info.value)
+
+
+def test_a_crashed_rank_is_run_again_only_when_asked(tmp_path: Any) -> None:
+    """``crash_retries=1``: a rank killed by a signal once makes every rank run again, with a warning that
+    names the crash; without it the crash is the failure."""
+    with pytest.raises(RankFailure, match="rank 0 died of SIGKILL"):
+        run_ranks(crashes_once, 2, str(tmp_path / "first"), timeout=120)
+    with pytest.warns(RuntimeWarning, match="(?s)running all 2 again.*rank 0 died of SIGKILL"):
+        assert run_ranks(crashes_once, 2, str(tmp_path / "second"), timeout=120, crash_retries=1) == [0, 1]
 
 
 @pytest.mark.parametrize("evaluated_before", [False, True], ids=["first-eval", "after-an-eval-on-all"])

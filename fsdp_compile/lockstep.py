@@ -161,7 +161,9 @@ def _noted(e: Exception, graph: GraphIdentity | None) -> Exception | None:
         return None
     note = _failure_note(e, graph)
     if not hasattr(e, "add_note"):  # Python 3.10
-        return RuntimeError(note)
+        replacement = RuntimeError(note)
+        replacement._fsdp_compile_noted = True  # type: ignore[attr-defined]
+        return replacement
     e.add_note(note)  # the error keeps its type: callers may catch DistBackendError
     e._fsdp_compile_noted = True  # type: ignore[attr-defined]
     return None
@@ -174,17 +176,22 @@ def note_failures(compiled: Callable[..., Any], *, boxed: bool = False) -> Calla
     Applied to each compiled graph with peers (``boxed``: it takes its inputs as one list), keeping
     what AOTAutograd's cache reads off it (its key in Inductor's graph cache) so that it is still
     saved for a warm start; and to what AOTAutograd returns for a Dynamo graph, since the graphs loaded
-    from the caches on a warm start carry no wrapper of their own (NOTE [warm start] in ``cache.py``):
-    that covers their forward at least."""
+    from the caches on a warm start carry no wrapper of their own (NOTE [warm start] in ``cache.py``).
+    That wrapper covers their forward, and on its first call their backward too (:func:`_note_backward`)."""
+    first = [not boxed]
 
     def run(*args: Any) -> Any:
         try:
-            return compiled(*args)
+            out = compiled(*args)
         except Exception as e:
             replacement = _noted(e, _state.get().last)
             if replacement is not None:
                 raise replacement from e
             raise
+        if first[0]:
+            first[0] = False
+            _note_backward(out)
+        return out
 
     if boxed:
         run._boxed_call = True  # type: ignore[attr-defined]
@@ -193,4 +200,34 @@ def note_failures(compiled: Callable[..., Any], *, boxed: bool = False) -> Calla
                 setattr(run, attr, getattr(compiled, attr))
     else:
         functools.update_wrapper(run, compiled)
+    return run
+
+
+def _note_backward(outputs: Any) -> None:
+    """Make the backward of the autograd function that produced ``outputs`` note a failed collective as
+    the forward does. A graph loaded from AOTAutograd's cache runs its backward straight from autograd,
+    past every wrapper of ours; autograd looks its ``backward`` up on the function's class at each call,
+    so wrapping it there covers every later backward of that graph. Once per class; outputs that come
+    from no such function (no grad, inference) leave nothing to do."""
+    for t in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+        fn = getattr(t, "grad_fn", None)
+        cls = getattr(fn, "_forward_cls", None)
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+            if not getattr(cls, "_fsdp_compile_notes", False):
+                cls.backward = staticmethod(_noting(cls.backward))  # type: ignore[method-assign]
+                cls._fsdp_compile_notes = True  # type: ignore[attr-defined]
+            return
+
+
+def _noting(backward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(backward)
+    def run(ctx: Any, *grads: Any) -> Any:
+        try:
+            return backward(ctx, *grads)
+        except Exception as e:
+            replacement = _noted(e, _state.get().last)
+            if replacement is not None:
+                raise replacement from e
+            raise
+
     return run

@@ -214,6 +214,25 @@ def forward_on_rank_zero_only(rank: int, world: int, evaluated_before: bool, war
         raise _timed(start, e) from e
 
 
+def peer_fails_before_a_loaded_backward(rank: int, world: int) -> None:
+    """Under Inductor with every graph loaded from the caches :func:`evaluate_everywhere` filled: two
+    training steps, then a forward on every rank, after which rank 1 fails; rank 0's backward, a loaded
+    graph that no wrapper of ours compiled, then fails in a collective and must say what rank 1 did."""
+    groups = FsdpGroups.create()
+    _, compiled = _tiny_model(groups, inductor=True)
+    for step in range(2):
+        _train_step(compiled, step)
+    x, y = _tokens(3, 2, 6, TINY.vocab_size)
+    loss = loss_fn(compiled(x), y)
+    if rank == 1:
+        raise ValueError("this rank's next batch was corrupt")
+    try:
+        loss.backward()
+    except Exception as e:
+        e.add_note(f"graphs loaded from the caches: {counters['aot_autograd']['autograd_cache_hit']}")
+        raise
+
+
 def evaluate_everywhere(rank: int, world: int) -> dict[str, int]:
     """What :func:`forward_on_rank_zero_only` runs with ``warm_start``, on every rank alike (filling the
     caches with its training and inference graphs); AOTAutograd's cache counters."""

@@ -15,6 +15,7 @@ from .misuse_workers import (
     crashes_once,
     evaluate_everywhere,
     forward_on_rank_zero_only,
+    peer_fails_before_a_loaded_backward,
     peer_fails_before_first_forward,
     trains_correctly,
 )
@@ -112,14 +113,23 @@ def test_a_forward_on_some_ranks_only_fails_in_time_and_says_so(evaluated_before
     assert "inference graph" in _rank_text(info.value, 0)
 
 
-def test_a_forward_on_some_ranks_only_after_a_warm_start_fails_in_time_and_says_so(tmp_path: Any,
+@pytest.fixture(scope="module")
+def warm_caches(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Inductor's caches filled by :func:`evaluate_everywhere` (training and inference graphs)."""
+    path = str(tmp_path_factory.mktemp("inductor_cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", path)
+        filled = run_ranks(evaluate_everywhere, 2, pg_timeout_s=PG_TIMEOUT_S, timeout=600)
+    assert [r.get("autograd_cache_saved") for r in filled] == [2, 2]  # training and inference graphs
+    return path
+
+
+def test_a_forward_on_some_ranks_only_after_a_warm_start_fails_in_time_and_says_so(warm_caches: str,
                                                                                    monkeypatch: Any) -> None:
     """The same mistake when every graph, the inference graph too, comes from the caches of an earlier
     start (NOTE [warm start]): nothing is compiled, so the check-in inside the loaded graphs (NOTE
     [lockstep]) is what notices."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    filled = run_ranks(evaluate_everywhere, 2, pg_timeout_s=PG_TIMEOUT_S, timeout=600)
-    assert [r.get("autograd_cache_saved") for r in filled] == [2, 2]  # training and inference graphs
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", warm_caches)
     with pytest.raises(RankFailure) as info:
         run_ranks(forward_on_rank_zero_only, 2, True, True, pg_timeout_s=PG_TIMEOUT_S,
                   timeout=ALLOWED_S + 150, grace_s=ALLOWED_S)
@@ -129,6 +139,20 @@ def test_a_forward_on_some_ranks_only_after_a_warm_start_fails_in_time_and_says_
         assert "some ranks only" in text, text
         assert "graphs loaded from the caches: 2" in text, text
     assert "inference graph" in _rank_text(info.value, 0)
+
+
+def test_a_collective_failing_in_a_loaded_backward_says_what_the_peers_do(warm_caches: str,
+                                                                          monkeypatch: Any) -> None:
+    """A backward loaded from the caches runs from autograd, past the wrapper compiled graphs get; the
+    forward's wrapper makes it note a failed collective all the same (``lockstep._note_backward``)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", warm_caches)
+    with pytest.raises(RankFailure) as info:
+        run_ranks(peer_fails_before_a_loaded_backward, 2, pg_timeout_s=PG_TIMEOUT_S, timeout=ALLOWED_S + 150,
+                  grace_s=ALLOWED_S)
+    text = _rank_text(info.value, 0)
+    assert "graphs loaded from the caches: 1" in text, text  # the training graph, forward and backward
+    assert re.search(r"a collective of a backward graph with \d+ collectives failed on rank 0", text), text
+    assert "rank 1: failed: ValueError: this rank's next batch was corrupt" in text, text
 
 
 def test_freezing_and_initialising_through_module_attributes_after_sharding(trained: list[dict[str, Any]]) -> None:

@@ -16,6 +16,9 @@ NOTE [compile-time keys] in ``fsdp_compile/backend.py``):
     kernels    kernel compilation (Triton, or the C++ compiler on CPU) that the compile waited for
     other      the rest of the first step: running it, Inductor's pre-grad passes, wrappers
 
+and, apart, ``gc``: what Python's garbage collector took during the first step, inside whichever stages
+it interrupted (at 32 CPU blocks about a tenth of the compile, most of it a few full collections).
+
 Variants run in turn within each round (the order rotates), so machine noise hits them alike; the table
 gives medians over rounds. On CPU a second is, by default, one of the compiling thread's CPU seconds
 (``--clock cpu``, NOTE [CPU clock]): on a machine shared with other work, wall time mostly measures the
@@ -175,8 +178,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     # Observing the compiled graphs bypasses AOTAutograd's cache (NOTE [warm start]): not on warm starts.
     warm_start = os.environ.get("TORCHINDUCTOR_AUTOGRAD_CACHE") == "1"
+    collector = _CollectorClock(clock)
     t0, w0 = clock(), time.perf_counter()
-    with contextlib.nullcontext([]) if warm_start else observe_graphs() as seen:
+    with contextlib.nullcontext([]) if warm_start else observe_graphs() as seen, collector:
         loss_of(spec, forward, batch).backward()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -203,11 +207,40 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     dist.destroy_process_group()
     return {"variant": args.variant, "layers": args.layers, "total_s": total, "wall_s": wall, "clock": args.clock,
             "stages": stages_from(metrics, total), "step_ms": step_ms, "schedule": schedule,
-            "graphs": graphs, "late_graphs": late, "metrics": metrics,
+            "graphs": graphs, "late_graphs": late, "metrics": metrics, "gc": collector.summary(),
             "aot_cache": {k: int(v) for k, v in counters["aot_autograd"].items() if "autograd_cache" in k}}
 
 
 # --- the parent: rounds of children -------------------------------------------------------------------------
+
+
+class _CollectorClock:
+    """Time Python's garbage collector spends inside the ``with`` block, on ``clock`` (``gc.callbacks``):
+    its share of the compile, included in the stages it interrupted, and its collections by generation."""
+
+    def __init__(self, clock: Any) -> None:
+        self.clock, self.seconds, self.collections, self._start = clock, 0.0, [0, 0, 0], 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = self.clock()
+        else:
+            self.seconds += self.clock() - self._start
+            self.collections[info["generation"]] += 1
+
+    def __enter__(self) -> _CollectorClock:
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "collections": self.collections}
 
 
 def _collectives(gm: Any) -> dict[str, int]:
@@ -317,7 +350,9 @@ def summarize(runs: list[dict[str, Any]], variants: Sequence[str], layers: Seque
             med[(v, n)] = statistics.median(r["total_s"] for r in ok)
             stages = {s: statistics.median(r["stages"][s] for r in ok) for s in STAGES}
             steps = [t for r in ok for t in r.get("step_ms", [])]
+            gc_s = [r["gc"]["seconds"] for r in ok if "gc" in r]
             rows.append({"layers": n, "variant": v, "runs": len(ok), "total_s": med[(v, n)], "stages": stages,
+                         "gc_s": statistics.median(gc_s) if gc_s else None,
                          "late_graphs": max(r["late_graphs"] for r in ok),
                          "step_ms": statistics.median(steps) if steps else None})
     for row in rows:
@@ -330,8 +365,8 @@ def summarize(runs: list[dict[str, Any]], variants: Sequence[str], layers: Seque
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = "| layers | variant | cold s | vs compile | vs L{} | " + " | ".join(STAGES) + " | step ms |"
-    lines = [head.format(min(r["layers"] for r in rows)), "|" + "---|" * (6 + len(STAGES))]
+    head = "| layers | variant | cold s | vs compile | vs L{} | " + " | ".join(STAGES) + " | gc (in stages) | step ms |"
+    lines = [head.format(min(r["layers"] for r in rows)), "|" + "---|" * (7 + len(STAGES))]
     for r in rows:
         if "total_s" not in r:
             lines.append(f"| {r['layers']} | {r['variant']} | failed: {r['error'][:60]} |")
@@ -340,6 +375,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         stages = " | ".join(f"{r['stages'][s]:.1f}" for s in STAGES)
         lines.append(f"| {r['layers']} | {r['variant']} | {r['total_s']:.1f} | {ratio(r['vs_compile'])} | "
                      f"{ratio(r['vs_fewest_layers'])} | {stages} | "
+                     + (f"{r['gc_s']:.1f} | " if r.get("gc_s") is not None else "- | ")
                      + (f"{r['step_ms']:.2f} |" if r["step_ms"] is not None else "- |"))
     return "\n".join(lines)
 

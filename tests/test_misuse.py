@@ -4,13 +4,20 @@ names the rank and the fix within the process group's timeout; none hangs (every
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from fsdp_compile import FsdpGroups, fully_shard, make_backend
 
 from fsdp_compile.launch import RankFailure, run_ranks
 
+from . import graph_utils
 from .misuse_workers import (
     crashes_once,
     evaluate_everywhere,
@@ -172,3 +179,30 @@ def test_soak_resident_memory_is_flat(trained: list[dict[str, Any]]) -> None:
     for samples in (rank["soak"] for rank in trained):
         at = dict(samples)
         assert (at[300] - at[100]) / at[100] < 0.01, samples
+
+
+class _Doubled(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def test_a_parametrization_added_after_sharding_is_applied_when_compiled() -> None:
+    """``register_parametrization`` on a sharded weight after ``fully_shard`` (and after a first compile):
+    the compiled model applies it, as the unsharded model does (NOTE [traced reads]: the parameter leaves
+    the lean traced read, and the guarded trace compiles again). One rank: the collectives are elided."""
+    with graph_utils.fake_process_group(1):
+        groups = FsdpGroups.create()
+        try:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+            reference = copy.deepcopy(model)
+            fully_shard(model, groups=groups)
+            compiled = torch.compile(model, backend=make_backend(inductor=False))
+            x = torch.randn(3, 4)
+            torch.testing.assert_close(compiled(x), reference(x))
+            parametrize.register_parametrization(model[0], "weight", _Doubled())
+            parametrize.register_parametrization(reference[0], "weight", _Doubled())
+            torch.testing.assert_close(compiled(x), reference(x))
+            assert "weight" not in model[0]._fsdp_reads and "bias" in model[0]._fsdp_reads
+        finally:
+            groups.destroy()

@@ -124,9 +124,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     for attempt in range(crash_retries + 1):
         try:
             return _run_once(fn, world_size, args, timeout, pg_timeout_s, threads, backend, grace_s)
-        except _Crashed as crash:
+        except _Crashed as crash:  # a RankFailure
             if attempt == crash_retries:
-                raise RankFailure(str(crash)) from None
+                raise
             warnings.warn(f"run_ranks: a rank crashed; running all {world_size} again ({attempt + 1} of "
                           f"{crash_retries}):\n{crash}", RuntimeWarning, stacklevel=2)
     raise AssertionError("unreachable")

@@ -179,15 +179,10 @@ def note_failures(compiled: Callable[..., Any], *, boxed: bool = False) -> Calla
     from the caches on a warm start carry no wrapper of their own (NOTE [warm start] in ``cache.py``).
     That wrapper covers their forward, and on its first call their backward too (:func:`_note_backward`)."""
     first = [not boxed]
+    call = _noting(compiled)
 
     def run(*args: Any) -> Any:
-        try:
-            out = compiled(*args)
-        except Exception as e:
-            replacement = _noted(e, _state.get().last)
-            if replacement is not None:
-                raise replacement from e
-            raise
+        out = call(*args)
         if first[0]:
             first[0] = False
             _note_backward(out)
@@ -219,11 +214,13 @@ def _note_backward(outputs: Any) -> None:
             return
 
 
-def _noting(backward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(backward)
-    def run(ctx: Any, *grads: Any) -> Any:
+def _noting(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` adding to a failed collective's error what every peer does (:func:`_noted`)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
         try:
-            return backward(ctx, *grads)
+            return fn(*args)
         except Exception as e:
             replacement = _noted(e, _state.get().last)
             if replacement is not None:

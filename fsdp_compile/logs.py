@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch._logging
 import torch.distributed as dist
 
-import fsdp_compile_torch_logs
+import fsdp_schedule
 
 from ._compat import getArtifactLogger
 
@@ -22,9 +22,9 @@ __all__ = ["log_schedule", "LOG_RANKS_ENV", "logs_on_rank"]
 
 LOG_RANKS_ENV = "FSDP_COMPILE_LOG_RANKS"
 
-fsdp_compile_torch_logs.register()  # again, in case torch was imported without the entry point
+fsdp_schedule.register()  # again, in case torch was imported without the entry point
 # A child of the "torch" logger, so that the handlers TORCH_LOGS configures print it.
-_log = getArtifactLogger("torch.fsdp_compile", fsdp_compile_torch_logs.ARTIFACT)
+_log = getArtifactLogger("torch.fsdp_compile", fsdp_schedule.ARTIFACT)
 
 
 def logs_on_rank(rank: int, setting: str | None) -> bool:

@@ -203,10 +203,12 @@ for rank, setting in [(0, None), (1, None), (1, "all")]:
 
 
 def test_torch_logs_artifact() -> None:
-    """TORCH_LOGS=fsdp_schedule prints each compiled graph's table, groups labelled as in explain (the
-    artifact is registered at torch import through the package's ``torch.backends`` entry point); rank 0
-    alone unless FSDP_COMPILE_LOG_RANKS says otherwise."""
-    env = {**os.environ, "TORCH_LOGS": "fsdp_schedule", "PYTHONPATH": str(ROOT)}
+    """TORCH_LOGS=fsdp_schedule, beside another setting, prints each compiled graph's table, groups
+    labelled as in explain (the artifact is registered at torch import through the package's
+    ``torch.backends`` entry point; on torch 2.11, which validates the setting first, it passes as the
+    ``fsdp_schedule`` module's name, see ``fsdp_schedule.py``); rank 0 alone unless
+    FSDP_COMPILE_LOG_RANKS says otherwise."""
+    env = {**os.environ, "TORCH_LOGS": "recompiles,fsdp_schedule", "PYTHONPATH": str(ROOT)}
     env.pop("FSDP_COMPILE_LOG_RANKS", None)
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

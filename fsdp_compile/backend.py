@@ -196,7 +196,7 @@ def _compile(
     is_inference: bool,
 ) -> Callable[..., Any]:
     # NOTE [compile-time keys]: each stage of ours adds to torch.compile's timing table under an
-    # ``fsdp.*`` key (benchmarks/compile_time.py reads them beside Dynamo's, AOTAutograd's, Inductor's).
+    # ``fsdp.*`` key (benchmarks/compile_stages.py reads them beside Dynamo's, AOTAutograd's, Inductor's).
     with timed("fsdp.passes"):
         gm = _schedule(share_subgraphs_pass(gm), options, hw)
     kind = "backward" if is_backward else "inference" if is_inference else "forward"

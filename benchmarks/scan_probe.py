@@ -134,11 +134,28 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    from benchmarks.compile_stages import stages_from
+    from fsdp_compile._compat import compile_time_metrics
+
     clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    if device.type != "cuda":  # torch's timing table on the same clock (NOTE [CPU clock] in compile_stages.py)
+        time.time_ns = time.thread_time_ns
+    before = compile_time_metrics()
+    profile = None
+    if args.profile_dir:  # where the first step's seconds go, function by function
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
     t0 = clock()
     loss = step()
     sync()
     compile_s = clock() - t0
+    if profile is not None:
+        profile.disable()
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(Path(args.profile_dir) / f"{args.mode}-L{args.layers[0]}.prof")
+    metrics = {k: v - before.get(k, 0.0) for k, v in compile_time_metrics().items() if v - before.get(k, 0.0) > 0}
     grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()])).item()
     reference_err = _reference_error(args, model, tokens) if args.ranks > 1 else None
     times = []
@@ -149,7 +166,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         step()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    return {"mode": args.mode, "layers": args.layers[0], "compile_s": compile_s, "loss": loss.item(),
+    return {"mode": args.mode, "layers": args.layers[0], "compile_s": compile_s,
+            "stages": stages_from(metrics, compile_s), "metrics": metrics, "loss": loss.item(),
             "grad_norm": grad_norm, "reference_err": reference_err,
             "step_ms": statistics.median(times) if times else None}
 
@@ -187,6 +205,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="CPU: gloo ranks; each keeps its rows of every block's weights and gathers them in the block")
     p.add_argument("--timeout-s", type=int, default=900)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile-dir", default=None, help="cProfile each child's first step into this folder")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -210,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "benchmarks.scan_probe", "--child", "--mode", mode, "--layers", str(layers),
                    "--device", args.device, "--dim", str(args.dim), "--heads", str(args.heads),
                    "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps),
-                   "--ranks", str(args.ranks)]
+                   "--ranks", str(args.ranks), *(["--profile-dir", args.profile_dir] if args.profile_dir else [])]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
             if out.returncode != 0:
                 raise RuntimeError(f"{mode} L{layers} failed:\n{out.stderr[-3000:]}")
@@ -241,8 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     suffix = f"-gather-w{args.ranks}" if args.ranks > 1 else ""
     path = Path(args.json) if args.json else RESULTS_DIR / f"scan_probe-{args.device}{suffix}.json"
     path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    stages = list(runs[0]["stages"])
+    stage_lines = ["| mode | layers | " + " | ".join(stages) + " |", "|---|---|" + "---|" * len(stages)]
+    stage_lines += [f"| {r['mode']} | {r['layers']} | " + " | ".join(f"{v:.1f}" for v in r["stages"].values()) + " |"
+                    for r in runs]
     print(f"{meta['command']}\n{meta['date']}, {args.device}, torch {meta['torch']}, {meta['clock']} seconds\n\n"
-          + "\n".join(lines) + f"\n\nwrote {path}")
+          + "\n".join(lines) + "\n\nfirst step by stage, seconds:\n\n" + "\n".join(stage_lines)
+          + f"\n\nwrote {path}")
     return 0
 
 

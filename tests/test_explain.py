@@ -208,7 +208,8 @@ def test_torch_logs_artifact() -> None:
     ``torch.backends`` entry point; on torch 2.11, which validates the setting first, it passes as the
     ``fsdp_schedule`` module's name, see ``fsdp_schedule.py``); rank 0 alone unless
     FSDP_COMPILE_LOG_RANKS says otherwise."""
-    env = {**os.environ, "TORCH_LOGS": "recompiles,fsdp_schedule", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what is on it
+    env = {**os.environ, "TORCH_LOGS": "recompiles,fsdp_schedule", "PYTHONPATH": path}
     env.pop("FSDP_COMPILE_LOG_RANKS", None)
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -274,10 +274,10 @@ def test_rss_sampler_without_proc(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_end_to_end_two_gloo_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The command line, in this process (its 2 ranks are spawned): JSON and table for two variants."""
-    from torch.distributed.fsdp import FSDPModule
+    from benchmarks.variants import unavailable_reason
 
     # torch 2.11 (the GPUs' torch) has no separate reduce-scatter group for FSDP2: its one-group variant there
-    fsdp2 = "fsdp2-eager" if hasattr(FSDPModule, "set_separate_reduce_scatter_group") else "fsdp2-eager-one-group"
+    fsdp2 = "fsdp2-eager" if unavailable_reason("fsdp2-eager", 2) is None else "fsdp2-eager-one-group"
     out = tmp_path / "r.json"
     argv = ["--device", "cpu", "--model", "llama", "--dim", "32", "--layers", "2", "--heads", "4", "--vocab", "64",
             "--seq", "16", "--batch", "2", "--ranks", "2",

@@ -38,16 +38,10 @@ class Unshard(nn.Module):
 
     def forward(self, shard: Tensor) -> Tensor:
         if torch.compiler.is_compiling():
-            return self.traced(shard)
+            return _traced_unshard(self.param, shard)
         p = self.param
         full = torch.ops.fsdp.unshard(shard, *p.marker_args, _accumulator(p))
         return gathered(full, p)  # NOTE [reading a sharded parameter]
-
-    def traced(self, shard: Tensor) -> Tensor:
-        """The marker compiled code calls (NOTE [traced reads]); the arguments are computed once
-        (``traced_args``), not re-read per trace."""
-        p = self.param
-        return torch.ops.fsdp.unshard(shard, *p.traced_args, _accumulator(p))  # NOTE [outlined units]
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
         # Called once at registration with the full param; a shared param's second registration
@@ -57,6 +51,12 @@ class Unshard(nn.Module):
             return tensor
         self.param.sharded = True
         return _local_shard(tensor.detach(), self.param)
+
+
+def _traced_unshard(p: ShardedParam, shard: Tensor) -> Tensor:
+    """The marker compiled code calls (NOTE [traced reads]); the arguments are computed once
+    (``traced_args``), not re-read per trace."""
+    return torch.ops.fsdp.unshard(shard, *p.traced_args, _accumulator(p))  # NOTE [outlined units]
 
 
 def _accumulator(p: ShardedParam) -> Tensor | None:
@@ -77,18 +77,15 @@ def _traced_property(name: str, original: property) -> property:
     lookups were 2.0 of the 3.4 s that sharding added (``benchmarks/dynamo_reads.py``). A parameter
     given parametrizations of its own besides ``Unshard`` leaves that dict (``_Chain``), so the trace
     guarding on it compiles again, through parametrize's path, which applies them all."""
-    eager = original.fget
-    assert eager is not None
+    through_parametrize = original.fget
+    assert through_parametrize is not None
 
     def get(self: nn.Module) -> Tensor:
         if torch.compiler.is_compiling():
             sp = self._fsdp_reads.get(name)
             if sp is not None:
-                return torch.ops.fsdp.unshard(sp.shard, *sp.traced_args, _accumulator(sp))  # NOTE [outlined units]
-            chain = self._modules["parametrizations"]._modules[name]  # type: ignore[index]
-            if len(chain._modules) == 1:
-                return chain._modules["0"].traced(chain._parameters["original"])
-        return eager(self)
+                return _traced_unshard(sp, sp.shard)
+        return through_parametrize(self)  # eager, or compiled off the lean read (Unshard's marker last)
 
     return property(get, original.fset, original.fdel, original.__doc__)
 

@@ -12,17 +12,33 @@ Llama-style stack written two ways,
 
 each in a fresh process with Inductor's caches off: the cold compile (first forward+backward), then
 the median forward+backward step, and the loss and gradient norm, which must agree between the two.
-With ``--ranks N`` (CPU, N gloo ranks) each rank keeps its rows of every block's weights and the block
+With ``--gather-world1`` (GPU) the same happens on NCCL of one rank (the collectives a larger world
+compiles). With ``--ranks N`` (CPU, N gloo ranks) each rank keeps its rows of every block's weights and the block
 gathers them (``all_gather_tensor_autograd``, whose backward reduce-scatters the gradient to the rows):
 the collectives sit inside the scan's body, as a sharded loop's would.
 
 ``python -m benchmarks.scan_probe --layers 4 32`` (CPU, D=32; ``--ranks 2``: sharded) or ``--device cuda``
 (GPU, D=1024, bf16).
+
+NOTE [lean C++ for a GPU loop]: Inductor lowers a scan to a ``while_loop`` whose counter lives on the CPU
+(``decompose_scan_to_while_loop`` in torch's post-grad passes: the loop condition is read on the host),
+so a GPU model's scan also compiles a few scalar C++ kernels. Before its first C++ build in a process,
+Inductor probes which vector instructions the CPU has, each probe a compile and a fresh Python that
+imports torch, and builds a precompiled header: on the H200's host about 27 of the 2.11 scan's 47 s at
+4 blocks (``--profile-dir``). Scalar counters need neither. ``--lean-cpp`` (GPU only) sets
+``cpp.vec_isa_ok = False`` (no probes; C++ kernels without vector instructions) and ``--no-pch`` also
+``cpp_cache_precompile_headers = False``, to measure what the scan costs without that start-up.
+``--host-counters`` goes further: after torch's decomposition it swaps the counter's three scalar ops
+(start at zero, compare with the length, add one) for ops of this probe that Inductor calls as they
+are instead of generating C++ (``host_counters``), so a GPU model's scan compiles no C++ at all.
+It patches a private torch function, so it is an experiment: it says what a loop with its counter kept
+out of Inductor's C++ would cost, and fsdp-compile would have to do the same in its own backend.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -30,7 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +55,7 @@ MODES = ("loop", "scan")
 _ROLES = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "attn_norm", "ffn_norm")  # the block's arguments, in order
 
 
-def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int = 1) -> Any:
+def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int = 1, gather_always: bool = False) -> Any:
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -49,7 +65,9 @@ def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int 
 
     def gather(w: Any) -> Any:
         """A block's weight from every rank's rows (its gradient is reduce-scattered back to them)."""
-        return w if ranks == 1 else funcol.all_gather_tensor_autograd(w, gather_dim=0, group=dist.group.WORLD)
+        if ranks == 1 and not gather_always:
+            return w
+        return funcol.all_gather_tensor_autograd(w, gather_dim=0, group=dist.group.WORLD)
 
     def block(h: Any, wq: Any, wk: Any, wv: Any, wo: Any, w1: Any, w2: Any, w3: Any, n1: Any, n2: Any) -> Any:
         b, t, _ = h.shape
@@ -87,7 +105,103 @@ def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int 
     return Stack()
 
 
+_COUNTER_OPS: list[Any] = []  # registered once per process: start, below, next
+
+
+def _counter_ops() -> list[Any]:
+    """The probe's three counter ops (``--host-counters``, module docstring), registered on first use."""
+    if _COUNTER_OPS:
+        return _COUNTER_OPS
+    import torch
+
+    lib = "scan_probe"
+
+    @torch.library.custom_op(f"{lib}::counter_start", mutates_args=(), schema="(Tensor like) -> Tensor")
+    def start(like: Any) -> Any:
+        return torch.zeros((), dtype=torch.int64)
+
+    @torch.library.custom_op(f"{lib}::counter_below", mutates_args=(), schema="(Tensor i, int n) -> Tensor")
+    def below(i: Any, n: int) -> Any:
+        return i < n
+
+    @torch.library.custom_op(f"{lib}::counter_next", mutates_args=(), schema="(Tensor i) -> Tensor")
+    def step(i: Any) -> Any:
+        return i + 1
+
+    for op, dtype in ((start, torch.int64), (below, torch.bool), (step, torch.int64)):
+        op.register_fake(lambda *args, dtype=dtype: torch.empty((), dtype=dtype, device="cpu"))
+    ops = torch.ops.scan_probe
+    _COUNTER_OPS.extend([ops.counter_start.default, ops.counter_below.default, ops.counter_next.default])
+    return _COUNTER_OPS
+
+
+def _host_scalar(node: Any) -> bool:
+    import torch
+
+    val = node.meta.get("val")
+    return (node.op == "call_function" and isinstance(val, torch.Tensor) and val.dim() == 0
+            and val.device.type == "cpu" and val.dtype in (torch.int64, torch.bool))
+
+
+def _rewrite_counters(gm: Any) -> None:
+    """A decomposed loop's counter (``aten.full([], 0)``, ``lt.Scalar``, ``add(i, 1)`` on the host) as the
+    probe's ops, in ``gm`` and the loop bodies it holds."""
+    import torch
+    from torch import fx
+
+    start, below, step = _counter_ops()
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), fx.GraphModule):
+            _rewrite_counters(getattr(gm, str(node.target)))
+        if not _host_scalar(node):
+            continue
+        if node.target is aten.full.default and node.args[1] == 0 and node.meta["val"].dtype == torch.int64:
+            like = next(iter(gm.graph.find_nodes(op="placeholder")), None)
+            if like is not None:  # any input: the op needs one tensor argument, and ignores it
+                node.target, node.args, node.kwargs = start, (like,), {}
+        elif node.target is aten.lt.Scalar and isinstance(node.args[1], int):
+            node.target, node.kwargs = below, {}
+        elif node.target is aten.add.Tensor and node.args[1] == 1:
+            node.target, node.args, node.kwargs = step, (node.args[0],), {}
+    gm.recompile()
+
+
+@contextlib.contextmanager
+def host_counters() -> Iterator[None]:
+    """``--host-counters`` (module docstring): while open, Inductor's scan decomposition is followed by
+    :func:`_rewrite_counters`. Patches a private torch function (an experiment, not fsdp-compile's code)."""
+    import torch._inductor.fx_passes.post_grad as post_grad
+
+    decompose = post_grad.decompose_scan_to_while_loop
+
+    def decompose_then_rewrite(gm: Any) -> None:
+        decompose(gm)
+        _rewrite_counters(gm)
+
+    post_grad.decompose_scan_to_while_loop = decompose_then_rewrite
+    try:
+        yield
+    finally:
+        post_grad.decompose_scan_to_while_loop = decompose
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
+    with host_counters() if args.host_counters else contextlib.nullcontext():
+        return _child(args)
+
+
+def _child(args: argparse.Namespace) -> dict[str, Any]:
+    if args.gather_world1:  # NCCL of one rank: the collectives of world N, each gathering one rank's rows
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
+        try:
+            return _measure(args)
+        finally:
+            dist.destroy_process_group()
     if args.ranks == 1:
         return _measure(args)
     import tempfile
@@ -117,10 +231,14 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     device = torch.device(args.device)
+    if args.lean_cpp:  # NOTE [lean C++ for a GPU loop]
+        torch._inductor.config.cpp.vec_isa_ok = False
+    if args.no_pch:
+        torch._inductor.config.cpp_cache_precompile_headers = False
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
-    model = _stack(args.layers[0], args.dim, args.heads, args.vocab, args.mode, args.ranks).to(device=device,
-                                                                                             dtype=dtype)
+    model = _stack(args.layers[0], args.dim, args.heads, args.vocab, args.mode, args.ranks,
+                   args.gather_world1).to(device=device, dtype=dtype)
     tokens = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
     compiled = torch.compile(model, fullgraph=True)
     torch.compile(lambda x: x + 1)(torch.zeros(2, device=device))  # Inductor's one-time set-up, not counted
@@ -206,10 +324,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=int, default=900)
     p.add_argument("--json", default=None)
     p.add_argument("--profile-dir", default=None, help="cProfile each child's first step into this folder")
+    p.add_argument("--gather-world1", action="store_true",
+                   help="GPU: NCCL of one rank; each block gathers its weights and reduce-scatters their gradients")
+    p.add_argument("--lean-cpp", action="store_true",
+                   help="GPU: no vector-ISA probes for the loop counter's C++ kernels (NOTE [lean C++ for a GPU loop])")
+    p.add_argument("--host-counters", action="store_true",
+                   help="the loop counter's ops called as they are, not compiled to C++ (experiment; module docstring)")
+    p.add_argument("--no-pch", action="store_true", help="GPU: no precompiled header for those kernels either")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
+    if args.gather_world1 and (not gpu or args.ranks != 1):
+        p.error("--gather-world1 is for --device cuda at --ranks 1")
+    if (args.lean_cpp or args.no_pch) and not gpu:
+        p.error("--lean-cpp and --no-pch are for --device cuda: on the CPU the model's own kernels are C++ "
+                "and need the vector instructions and the header")
     for name, cpu_default, gpu_default in (("dim", 32, 1024), ("heads", 2, 16), ("vocab", 64, 32000),
                                            ("seq", 17, 1025)):
         if getattr(args, name) is None:
@@ -229,7 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "benchmarks.scan_probe", "--child", "--mode", mode, "--layers", str(layers),
                    "--device", args.device, "--dim", str(args.dim), "--heads", str(args.heads),
                    "--vocab", str(args.vocab), "--seq", str(args.seq), "--steps", str(args.steps),
-                   "--ranks", str(args.ranks), *(["--profile-dir", args.profile_dir] if args.profile_dir else [])]
+                   "--ranks", str(args.ranks), *(["--profile-dir", args.profile_dir] if args.profile_dir else []),
+                   *(["--lean-cpp"] if args.lean_cpp else []), *(["--no-pch"] if args.no_pch else []),
+                   *(["--gather-world1"] if args.gather_world1 else []),
+                   *(["--host-counters"] if args.host_counters else [])]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
             if out.returncode != 0:
                 raise RuntimeError(f"{mode} L{layers} failed:\n{out.stderr[-3000:]}")
@@ -252,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     meta = {"date": datetime.date.today().isoformat(), "device": args.device, "torch": torch.__version__,
-            "ranks": args.ranks,
+            "ranks": args.ranks, "lean_cpp": args.lean_cpp, "no_pch": args.no_pch,
+            "gather_world1": args.gather_world1, "host_counters": args.host_counters,
             "clock": "wall" if args.device == "cuda" else "cpu",
             "model": {k: getattr(args, k) for k in ("dim", "heads", "vocab", "seq")},
             "command": " ".join(["python", "-m", "benchmarks.scan_probe",

@@ -44,8 +44,10 @@ def _fsdp_ops(gm: fx.GraphModule) -> dict[str, list[str]]:
     return out
 
 
-def probe(blocks: int, dim: int) -> list[dict[str, Any]]:
-    """The forward's and backward's graphs as :func:`_fsdp_ops` and their outputs' shapes."""
+def probe(blocks: int, dim: int, recompute: bool = False) -> list[dict[str, Any]]:
+    """The forward's and backward's graphs as :func:`_fsdp_ops` and their outputs' shapes. With
+    ``recompute`` the body's unshard runs under activation checkpointing (``torch.utils.checkpoint``),
+    so that backward may gather again instead of keeping the gathered weight."""
     groups = FsdpGroups.create()
     ag, rs = groups.all_gather.group_name, groups.reduce_scatter.group_name
     try:
@@ -53,8 +55,14 @@ def probe(blocks: int, dim: int) -> list[dict[str, Any]]:
 
         def body(h: torch.Tensor, xs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             (w,) = xs if isinstance(xs, (list, tuple)) else (xs,)
-            full = torch.ops.fsdp.unshard(w, [dim, dim], 2, 0, "w", ag, rs, "", 0, True, None, None, None)
-            return torch.tanh(h @ full.t()), h.new_zeros(())
+
+            def block(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                full = torch.ops.fsdp.unshard(w, [dim, dim], 2, 0, "w", ag, rs, "", 0, True, None, None, None)
+                return torch.tanh(h @ full.t())
+
+            if recompute:
+                return torch.utils.checkpoint.checkpoint(block, h, w, use_reentrant=False), h.new_zeros(())
+            return block(h, w), h.new_zeros(())
 
         def run(h: torch.Tensor) -> torch.Tensor:
             out, _ = scan(body, h, [rows])
@@ -88,14 +96,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scan_markers", description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--recompute", action="store_true", help="the body under activation checkpointing")
     args = p.parse_args(argv)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        rows = probe(args.blocks, args.dim)
+        rows = probe(args.blocks, args.dim, args.recompute)
     finally:
         dist.destroy_process_group()
     gathered = (args.blocks, args.dim, args.dim)
-    print(f"torch {torch.__version__}, {args.blocks} blocks, D={args.dim}, world 2 (fake)\n\n"
+    print(f"torch {torch.__version__}, {args.blocks} blocks, D={args.dim}, world 2 (fake)"
+          f"{', body checkpointed' if args.recompute else ''}\n\n"
           "| graph | fsdp ops, by graph module | outputs (shapes) |\n|---|---|---|")
     for r in rows:
         print(f"| {r['graph']} | {r['fsdp_ops']} | {r['outputs']} |")

@@ -2,8 +2,8 @@
 scan-based design of README, Compile time.
 
 Each of ``--blocks`` iterations of one ``torch._higher_order_ops.scan`` reads its block's rows of a
-stacked weight through ``fsdp::unshard`` (world size 2, a fake process group: nothing is communicated)
-and applies it; the first carry requires grad (on torch 2.11 a scan whose first carry does not drops the
+stacked weight through ``fsdp::unshard`` (``--ranks`` gloo ranks, each holding its rows; the markers run
+their own eager implementation, which gathers and reduce-scatters for real) and applies it; the first carry requires grad (on torch 2.11 a scan whose first carry does not drops the
 carry's gradient, so every block but the last gets a wrong weight gradient: pytorch/pytorch#184528,
 fixed in a later release; 0.72 and 1.03 off on 3 blocks here, eager and compiled). The forward and backward graphs AOTAutograd hands to a compiler are printed as what
 matters here: which ``fsdp::*`` ops each graph's loop body holds (the marker's own backward is
@@ -13,14 +13,21 @@ partition keeps what the body gathered instead of gathering it again in backward
 forward would not hold in a scan as it does in our whole-model graph (NOTE [reshard by recompute] in
 ``fsdp_compile/partition.py``, which runs only on the outer joint graph).
 
-``python -m benchmarks.scan_markers [--blocks 3 --dim 8]``
+The gradient of each rank's rows is checked against an unsharded, uncompiled loop.
+``--tag-unshards`` tags the body's unshards (and the copies of views of them) must-recompute before torch
+partitions the body, as ``_tag_reshard`` does to our outer joint graph: then the forward saves only the
+shards and the backward body gathers again.
+
+``python -m benchmarks.scan_markers [--blocks 3 --dim 8 --ranks 2 --recompute --tag-unshards]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,9 +35,9 @@ import torch.distributed as dist
 from functorch.compile import aot_module_simplified, make_boxed_func
 from torch import fx
 from torch._higher_order_ops.scan import scan
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups
+from fsdp_compile.launch import run_ranks
 
 
 def _fsdp_ops(gm: fx.GraphModule) -> dict[str, list[str]]:
@@ -44,21 +51,61 @@ def _fsdp_ops(gm: fx.GraphModule) -> dict[str, list[str]]:
     return out
 
 
-def probe(blocks: int, dim: int, recompute: bool = False) -> list[dict[str, Any]]:
-    """The forward's and backward's graphs as :func:`_fsdp_ops` and their outputs' shapes. With
-    ``recompute`` the body's unshard runs under activation checkpointing (``torch.utils.checkpoint``),
-    so that backward may gather again instead of keeping the gathered weight."""
+@contextlib.contextmanager
+def tagged_body_unshards() -> Iterator[None]:
+    """``--tag-unshards``: while open, every loop body's joint graph has its ``fsdp::unshard`` nodes
+    tagged must-recompute before torch partitions it, as ``_tag_reshard`` does to our outer joint graph.
+    Patches a private torch class (``HopJointGraph.partition``): an experiment for the scan design."""
+    from torch._higher_order_ops.partitioner import HopJointGraph
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    partition = HopJointGraph.partition
+
+    aten = torch.ops.aten
+    # A loop body's joint graph is functional: its views are copies (``t_copy``), which the partitioner
+    # would otherwise save in the gathered weight's place.
+    views = {aten.t_copy.default, aten.view_copy.default, aten.permute_copy.default, aten.transpose_copy.int,
+             aten.expand_copy.default, aten.slice_copy.Tensor, aten.alias_copy.default, aten._to_copy.default,
+             aten.view.default, aten.reshape.default, aten.t.default, torch.ops.prims.convert_element_type.default}
+
+    def tag_then_partition(self: Any, *args: Any, **kwargs: Any) -> Any:
+        frontier = [n for n in self.joint_gm.graph.nodes if n.target is torch.ops.fsdp.unshard.default]
+        while frontier:
+            node = frontier.pop()
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 1 << 30
+            frontier += [u for u in node.users if u.target in views and "recompute" not in u.meta]
+        return partition(self, *args, **kwargs)
+
+    HopJointGraph.partition = tag_then_partition
+    try:
+        yield
+    finally:
+        HopJointGraph.partition = partition
+
+
+def probe(blocks: int, dim: int, recompute: bool = False) -> dict[str, Any]:
+    """One compiled forward and backward of the scan on the default process group (every rank the same
+    input and the same full weights, each rank its rows): the forward's and backward's graphs as
+    :func:`_fsdp_ops` and their outputs' shapes, and the largest difference between this rank's
+    weight gradient and its rows of an unsharded, uncompiled loop's (``reduce_grad`` averages over the
+    ranks, which all ran the same input). With ``recompute`` the body runs under activation
+    checkpointing (``torch.utils.checkpoint``)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    full = torch.randn(blocks, dim, dim) / dim**0.5
+    h0 = torch.randn(2, dim)
+    n = dim // world
+    rows = torch.nn.Parameter(full[:, rank * n:(rank + 1) * n].clone())  # this rank's rows of each weight
     groups = FsdpGroups.create()
     ag, rs = groups.all_gather.group_name, groups.reduce_scatter.group_name
     try:
-        rows = torch.nn.Parameter(torch.randn(blocks, dim // 2, dim))  # this rank's rows of each block's weight
-
         def body(h: torch.Tensor, xs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             (w,) = xs if isinstance(xs, (list, tuple)) else (xs,)
 
             def block(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                full = torch.ops.fsdp.unshard(w, [dim, dim], 2, 0, "w", ag, rs, "", 0, True, None, None, None)
-                return torch.tanh(h @ full.t())
+                w_full = torch.ops.fsdp.unshard(w, [dim, dim], world, 0, "w", ag, rs, "", 0, True, None, None, None)
+                return torch.tanh(h @ w_full.t())
 
             if recompute:
                 return torch.utils.checkpoint.checkpoint(block, h, w, use_reentrant=False), h.new_zeros(())
@@ -80,37 +127,64 @@ def probe(blocks: int, dim: int, recompute: bool = False) -> list[dict[str, Any]
         torch._dynamo.reset()
         # The carry requires grad, as hidden states from a trained embedding do: on torch 2.11 a scan
         # whose first carry does not drops the carry's gradient (pytorch/pytorch#184528, fixed after).
-        torch.compile(run, backend=backend, fullgraph=True)(torch.randn(2, dim, requires_grad=True)).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the markers' eager implementation warns that it is one
+            torch.compile(run, backend=backend, fullgraph=True)(h0.clone().requires_grad_()).backward()
     finally:
         groups.destroy()
-    result = []
+    reference = full.clone().requires_grad_()
+    h = h0.clone().requires_grad_()
+    for i in range(blocks):
+        h = torch.tanh(h @ reference[i].t())
+    h.sum().backward()
+    assert rows.grad is not None and reference.grad is not None
+    error = (rows.grad - reference.grad[:, rank * n:(rank + 1) * n]).abs().max().item()
+    graphs = []
     for kind, gm in zip(("forward", "backward"), seen):
         (outputs,) = gm.graph.find_nodes(op="output")[0].args
         shapes = [tuple(o.meta["val"].shape) for o in outputs if isinstance(o, fx.Node)
                   and isinstance(o.meta.get("val"), torch.Tensor)]
-        result.append({"graph": kind, "fsdp_ops": _fsdp_ops(gm), "outputs": shapes})
-    return result
+        graphs.append({"graph": kind, "fsdp_ops": _fsdp_ops(gm), "outputs": shapes})
+    return {"graphs": graphs, "grad_error": error}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _rank(rank: int, world_size: int, blocks: int, dim: int, recompute: bool, tag_unshards: bool) -> dict[str, Any]:
+    with tagged_body_unshards() if tag_unshards else contextlib.nullcontext():
+        return probe(blocks, dim, recompute)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`probe` on ``args.ranks`` gloo ranks; rank 0's result."""
+    return run_ranks(_rank, args.ranks, args.blocks, args.dim, args.recompute, args.tag_unshards, timeout=300.0)[0]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scan_markers", description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--ranks", type=int, default=2, help="gloo ranks (the weights' rows are split over them)")
     p.add_argument("--recompute", action="store_true", help="the body under activation checkpointing")
+    p.add_argument("--tag-unshards", action="store_true",
+                   help="tag the body's unshards must-recompute before torch partitions it (experiment)")
     args = p.parse_args(argv)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        rows = probe(args.blocks, args.dim, args.recompute)
-    finally:
-        dist.destroy_process_group()
-    gathered = (args.blocks, args.dim, args.dim)
-    print(f"torch {torch.__version__}, {args.blocks} blocks, D={args.dim}, world 2 (fake)"
-          f"{', body checkpointed' if args.recompute else ''}\n\n"
+    if args.dim % args.ranks:
+        p.error(f"--dim {args.dim} must split into --ranks {args.ranks} equal row blocks")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    gathered = [args.blocks, args.dim, args.dim]
+    print(f"torch {torch.__version__}, {args.blocks} blocks, D={args.dim}, {args.ranks} gloo ranks"
+          f"{', body checkpointed' if args.recompute else ''}"
+          f"{', body unshards tagged must-recompute' if args.tag_unshards else ''}\n\n"
           "| graph | fsdp ops, by graph module | outputs (shapes) |\n|---|---|---|")
-    for r in rows:
-        print(f"| {r['graph']} | {r['fsdp_ops']} | {r['outputs']} |")
-    saves = any(tuple(s) == gathered for s in rows[0]["outputs"])
-    print(f"\nforward saves every block's gathered weight {gathered} for backward: {'yes' if saves else 'no'}")
+    for r in result["graphs"]:
+        print(f"| {r['graph']} | {r['fsdp_ops']} | {[tuple(s) for s in r['outputs']]} |")
+    saves = any(list(shape) == gathered for shape in result["graphs"][0]["outputs"])
+    print(f"\nforward saves every block's gathered weight {tuple(gathered)} for backward: {'yes' if saves else 'no'}"
+          f"\nlargest weight-gradient difference from an unsharded, uncompiled loop: {result['grad_error']:.1e}")
     return 0
 
 

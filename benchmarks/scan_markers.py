@@ -3,17 +3,18 @@ scan-based design of README, Compile time.
 
 Each of ``--blocks`` iterations of one ``torch._higher_order_ops.scan`` reads its block's rows of a
 stacked weight through ``fsdp::unshard`` (``--ranks`` gloo ranks, each holding its rows; the markers run
-their own eager implementation, which gathers and reduce-scatters for real) and applies it; the first carry requires grad (on torch 2.11 a scan whose first carry does not drops the
-carry's gradient, so every block but the last gets a wrong weight gradient: pytorch/pytorch#184528,
-fixed in a later release; 0.72 and 1.03 off on 3 blocks here, eager and compiled). The forward and backward graphs AOTAutograd hands to a compiler are printed as what
-matters here: which ``fsdp::*`` ops each graph's loop body holds (the marker's own backward is
-``fsdp::reduce_grad``), and which outputs the forward returns for the backward. An output of shape
-``(blocks, D, D)`` is every block's *gathered* weight, saved from forward to backward: the scan's own
-partition keeps what the body gathered instead of gathering it again in backward, so resharding after
-forward would not hold in a scan as it does in our whole-model graph (NOTE [reshard by recompute] in
-``fsdp_compile/partition.py``, which runs only on the outer joint graph).
+their own eager implementation, which gathers and reduce-scatters for real) and applies it. The first
+carry requires grad: on torch 2.11 a scan whose first carry does not drops the carry's gradient, so every
+block but the last gets a wrong weight gradient (pytorch/pytorch#184528, fixed in a later release; 0.72
+and 1.03 off on 3 blocks here, eager and compiled).
 
-The gradient of each rank's rows is checked against an unsharded, uncompiled loop.
+Printed: which ``fsdp::*`` ops the loop body of each graph AOTAutograd hands to a compiler holds (the
+marker's own backward is ``fsdp::reduce_grad``), which outputs the forward returns for the backward, and
+the largest difference between each rank's weight gradient and its rows of an unsharded, uncompiled
+loop's. An output of shape ``(blocks, D, D)`` is every block's *gathered* weight, saved from forward to
+backward: the scan's own partition keeps what the body gathered instead of gathering it again, so
+resharding after forward would not hold in a scan as it does in our whole-model graph (NOTE [reshard by
+recompute] in ``fsdp_compile/partition.py``, which runs only on the outer joint graph).
 ``--tag-unshards`` tags the body's unshards (and the copies of views of them) must-recompute before torch
 partitions the body, as ``_tag_reshard`` does to our outer joint graph: then the forward saves only the
 shards and the backward body gathers again.
@@ -59,21 +60,22 @@ def tagged_body_unshards() -> Iterator[None]:
     from torch._higher_order_ops.partitioner import HopJointGraph
     from torch.utils.checkpoint import CheckpointPolicy
 
-    partition = HopJointGraph.partition
+    from fsdp_compile.partition import _AC_GRAPH_ID, _VIEW_OPS
 
+    partition = HopJointGraph.partition
     aten = torch.ops.aten
     # A loop body's joint graph is functional: its views are copies (``t_copy``), which the partitioner
     # would otherwise save in the gathered weight's place.
-    views = {aten.t_copy.default, aten.view_copy.default, aten.permute_copy.default, aten.transpose_copy.int,
-             aten.expand_copy.default, aten.slice_copy.Tensor, aten.alias_copy.default, aten._to_copy.default,
-             aten.view.default, aten.reshape.default, aten.t.default, torch.ops.prims.convert_element_type.default}
+    views = set(_VIEW_OPS) | {aten.t_copy.default, aten.view_copy.default, aten.permute_copy.default,
+                              aten.transpose_copy.int, aten.expand_copy.default, aten.slice_copy.Tensor,
+                              aten.alias_copy.default, aten.unsqueeze_copy.default, aten.squeeze_copy.dim}
 
     def tag_then_partition(self: Any, *args: Any, **kwargs: Any) -> Any:
         frontier = [n for n in self.joint_gm.graph.nodes if n.target is torch.ops.fsdp.unshard.default]
         while frontier:
             node = frontier.pop()
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = 1 << 30
+            node.meta["ac_graph_id"] = _AC_GRAPH_ID
             frontier += [u for u in node.users if u.target in views and "recompute" not in u.meta]
         return partition(self, *args, **kwargs)
 

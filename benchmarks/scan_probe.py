@@ -12,10 +12,10 @@ Llama-style stack written two ways,
 
 each in a fresh process with Inductor's caches off: the cold compile (first forward+backward), then
 the median forward+backward step, and the loss and gradient norm, which must agree between the two.
-With ``--gather-world1`` (GPU) the same happens on NCCL of one rank (the collectives a larger world
-compiles). With ``--ranks N`` (CPU, N gloo ranks) each rank keeps its rows of every block's weights and the block
+With ``--ranks N`` (CPU, N gloo ranks) each rank keeps its rows of every block's weights and the block
 gathers them (``all_gather_tensor_autograd``, whose backward reduce-scatters the gradient to the rows):
-the collectives sit inside the scan's body, as a sharded loop's would.
+the collectives sit inside the scan's body, as a sharded loop's would. With ``--gather-world1`` (GPU)
+the blocks gather the same way on NCCL of one rank (the collectives a larger world compiles).
 
 ``python -m benchmarks.scan_probe --layers 4 32`` (CPU, D=32; ``--ranks 2``: sharded) or ``--device cuda``
 (GPU, D=1024, bf16).
@@ -24,8 +24,9 @@ NOTE [lean C++ for a GPU loop]: Inductor lowers a scan to a ``while_loop`` whose
 (``decompose_scan_to_while_loop`` in torch's post-grad passes: the loop condition is read on the host),
 so a GPU model's scan also compiles a few scalar C++ kernels. Before its first C++ build in a process,
 Inductor probes which vector instructions the CPU has, each probe a compile and a fresh Python that
-imports torch, and builds a precompiled header: on the H200's host about 27 of the 2.11 scan's 47 s at
-4 blocks (``--profile-dir``). Scalar counters need neither. ``--lean-cpp`` (GPU only) sets
+imports torch, and builds a precompiled header, then compiles the kernels: on the H200 (torch 2.11) the
+4-block scan took 58-75 s with all of it and 12-13 s with none (README, Compile time, has the table).
+Scalar counters need neither the probes nor the header. ``--lean-cpp`` (GPU only) sets
 ``cpp.vec_isa_ok = False`` (no probes; C++ kernels without vector instructions) and ``--no-pch`` also
 ``cpp_cache_precompile_headers = False``, to measure what the scan costs without that start-up.
 ``--host-counters`` goes further: after torch's decomposition it swaps the counter's three scalar ops
@@ -55,7 +56,8 @@ MODES = ("loop", "scan")
 _ROLES = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "attn_norm", "ffn_norm")  # the block's arguments, in order
 
 
-def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int = 1, gather_always: bool = False) -> Any:
+def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int = 1,
+           gather_always: bool = False) -> Any:
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol

@@ -86,13 +86,15 @@ def tagged_body_unshards() -> Iterator[None]:
         HopJointGraph.partition = partition
 
 
-def probe(blocks: int, dim: int, recompute: bool = False) -> dict[str, Any]:
+def probe(blocks: int, dim: int, recompute: bool = False, prefetch: bool = False) -> dict[str, Any]:
     """One compiled forward and backward of the scan on the default process group (every rank the same
     input and the same full weights, each rank its rows): the forward's and backward's graphs as
     :func:`_fsdp_ops` and their outputs' shapes, and the largest difference between this rank's
     weight gradient and its rows of an unsharded, uncompiled loop's (``reduce_grad`` averages over the
     ranks, which all ran the same input). With ``recompute`` the body runs under activation
-    checkpointing (``torch.utils.checkpoint``)."""
+    checkpointing (``torch.utils.checkpoint``). With ``prefetch`` the gathered weight is a loop carry:
+    iteration i gathers block i+1's weight before it runs block i on the weight it was handed (the
+    first is gathered before the loop; the last iteration's gather is of block 0 again, unused)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     full = torch.randn(blocks, dim, dim) / dim**0.5
@@ -113,8 +115,20 @@ def probe(blocks: int, dim: int, recompute: bool = False) -> dict[str, Any]:
                 return torch.utils.checkpoint.checkpoint(block, h, w, use_reentrant=False), h.new_zeros(())
             return block(h, w), h.new_zeros(())
 
+        def unshard(w: torch.Tensor) -> torch.Tensor:
+            return torch.ops.fsdp.unshard(w, [dim, dim], world, 0, "w", ag, rs, "", 0, True, None, None, None)
+
+        def prefetching_body(carry: Any, xs: Any) -> tuple[Any, torch.Tensor]:
+            h, w_full = carry
+            (w_next,) = xs if isinstance(xs, (list, tuple)) else (xs,)
+            gathered_next = unshard(w_next)  # first: in a lowered graph it would overlap block i
+            return (torch.tanh(h @ w_full.t()), gathered_next), h.new_zeros(())
+
         def run(h: torch.Tensor) -> torch.Tensor:
-            out, _ = scan(body, h, [rows])
+            if prefetch:
+                (out, _), _ = scan(prefetching_body, (h, unshard(rows[0])), [torch.cat([rows[1:], rows[:1]])])
+            else:
+                out, _ = scan(body, h, [rows])
             return out.sum()
 
         seen: list[fx.GraphModule] = []
@@ -150,14 +164,16 @@ def probe(blocks: int, dim: int, recompute: bool = False) -> dict[str, Any]:
     return {"graphs": graphs, "grad_error": error}
 
 
-def _rank(rank: int, world_size: int, blocks: int, dim: int, recompute: bool, tag_unshards: bool) -> dict[str, Any]:
+def _rank(rank: int, world_size: int, blocks: int, dim: int, recompute: bool, tag_unshards: bool,
+          prefetch: bool) -> dict[str, Any]:
     with tagged_body_unshards() if tag_unshards else contextlib.nullcontext():
-        return probe(blocks, dim, recompute)
+        return probe(blocks, dim, recompute, prefetch)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`probe` on ``args.ranks`` gloo ranks; rank 0's result."""
-    return run_ranks(_rank, args.ranks, args.blocks, args.dim, args.recompute, args.tag_unshards, timeout=300.0)[0]
+    return run_ranks(_rank, args.ranks, args.blocks, args.dim, args.recompute, args.tag_unshards, args.prefetch,
+                     timeout=300.0)[0]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -166,6 +182,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks (the weights' rows are split over them)")
     p.add_argument("--recompute", action="store_true", help="the body under activation checkpointing")
+    p.add_argument("--prefetch", action="store_true", help="the gathered weight carried: block i+1 gathered in iteration i")
     p.add_argument("--tag-unshards", action="store_true",
                    help="tag the body's unshards must-recompute before torch partitions it (experiment)")
     args = p.parse_args(argv)
@@ -179,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(args)
     gathered = [args.blocks, args.dim, args.dim]
     print(f"torch {torch.__version__}, {args.blocks} blocks, D={args.dim}, {args.ranks} gloo ranks"
-          f"{', body checkpointed' if args.recompute else ''}"
+          f"{', body checkpointed' if args.recompute else ''}{', prefetch carried' if args.prefetch else ''}"
           f"{', body unshards tagged must-recompute' if args.tag_unshards else ''}\n\n"
           "| graph | fsdp ops, by graph module | outputs (shapes) |\n|---|---|---|")
     for r in result["graphs"]:

@@ -3,7 +3,7 @@
 A design that kept the unrolled whole-model graph but traced blocks with ``make_fx`` (under the fake
 mode, through ``torch.func.functional_call``) instead of Dynamo would pay the second number per block.
 Both are the growth from 4 to 32 blocks of the same Llama-style model (``fsdp_compile.models``, the
-tests' small shapes, unsharded), in CPU seconds of this thread, over ``--rounds``.
+tests' small shapes, unsharded; Dynamo's is ``benchmarks.dynamo_reads.trace_seconds``), in CPU seconds of this thread, over ``--rounds``.
 
 ``python -m benchmarks.block_capture [--rounds 2]``; README, Compile time, says what it showed.
 """
@@ -21,31 +21,22 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from benchmarks.dynamo_reads import trace_seconds
 from fsdp_compile.models import ModelConfig, Transformer
 
 _FEW, _MANY = 4, 32
 
 
-def _model(layers: int) -> Transformer:
+def _model(layers: int) -> Transformer:  # the model benchmarks.dynamo_reads traces
     torch.manual_seed(0)
     return Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=2, max_seq_len=16))
-
-
-def dynamo_seconds(layers: int) -> float:
-    """Dynamo's trace of the whole model, every block inline (a backend that compiles nothing)."""
-    torch._dynamo.reset()
-    compiled = torch.compile(_model(layers), backend=lambda gm, example_inputs: gm.forward, fullgraph=True)
-    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    t0 = time.thread_time()
-    compiled(tokens)
-    return time.thread_time() - t0
 
 
 def make_fx_seconds(layers: int) -> tuple[float, int]:
     """``make_fx`` of every block on fake inputs; the seconds, and one block's node count."""
     model = _model(layers)
     mode = FakeTensorMode()
-    x = mode.from_tensor(torch.randn(2, 16, 32, requires_grad=True))
+    x = mode.from_tensor(torch.randn(2, 8, 32, requires_grad=True))  # dynamo_reads' tokens: 2 x 8
     cos, sin = mode.from_tensor(model.rope_cos), mode.from_tensor(model.rope_sin)
     nodes = 0
     t0 = time.thread_time()
@@ -64,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_block: dict[str, list[float]] = {"dynamo": [], "make_fx": []}
     nodes = 0
     for _ in range(args.rounds):
-        per_block["dynamo"].append((dynamo_seconds(_MANY) - dynamo_seconds(_FEW)) / (_MANY - _FEW) * 1e3)
+        dynamo = trace_seconds(_MANY, "plain", None) - trace_seconds(_FEW, "plain", None)
+        per_block["dynamo"].append(dynamo / (_MANY - _FEW) * 1e3)
         (many, nodes), (few, _) = make_fx_seconds(_MANY), make_fx_seconds(_FEW)
         per_block["make_fx"].append((many - few) / (_MANY - _FEW) * 1e3)
     rows = [f"| {name} | {statistics.median(ms):.1f} | {', '.join(f'{m:.1f}' for m in ms)} |"

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._higher_order_ops.scan import scan
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
@@ -38,7 +39,12 @@ __all__ = [
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "queue_end_of_backward",
+    "SCAN_NEEDS_FIRST_CARRY_GRAD",
+    "host_loop_counters",
     "region_schemas_once",
+    "rewrite_loop_counters",
+    "scan",
+    "tagging_loop_bodies",
     "register_foreach_type",
     "resolve_group",
     "select_decomp_table",
@@ -293,3 +299,125 @@ def traced_for() -> Any:
             return fn
         fn = inner
     return fn
+
+
+# --- Loops over stacked blocks (NOTE [stacked blocks] in stack.py) ---
+
+
+# pytorch/pytorch#184528: a scan whose first carry does not require grad drops the carry's gradient
+# (every block but the last then gets a wrong weight gradient), fixed by pytorch/pytorch#185332, which is
+# in 2.13 and not in 2.11 (``benchmarks/scan_markers.py``). Where this is set, a stack makes its carry
+# require grad first.
+SCAN_NEEDS_FIRST_CARRY_GRAD = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+@contextlib.contextmanager
+def tagging_loop_bodies(tag: Callable[[Any], None]) -> Iterator[None]:
+    """Within the context, ``tag(joint)`` runs on each loop body's joint graph just before torch
+    partitions it into the body's forward and backward (``HopJointGraph.partition``, torch 2.11 and
+    2.13): there, must-recompute tags decide what the loop's forward keeps for its backward, as
+    ``partition.py``'s tags do for the outer joint graph."""
+    from torch._higher_order_ops.partitioner import HopJointGraph
+
+    original = HopJointGraph.partition
+
+    def tag_then_partition(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tag(self.joint_gm)
+        return original(self, *args, **kwargs)
+
+    HopJointGraph.partition = tag_then_partition
+    try:
+        yield
+    finally:
+        HopJointGraph.partition = original
+
+
+# NOTE [loop counters off the C++ path]: Inductor lowers a scan to a ``while_loop`` whose counter lives
+# on the host (``decompose_scan_to_while_loop`` in its post-grad passes: a zero, a compare with the
+# length, an add of one), so a GPU model's loop compiles scalar C++ kernels, and before a process's first
+# C++ build Inductor probes the CPU's vector instructions and builds a precompiled header: on the H200
+# (torch 2.11) a 4-block scan compiled in 58-75 s with that and 12-13 s without (README, Compile time,
+# ``benchmarks/scan_probe.py``). ``host_loop_counters`` swaps the three ops, after torch's decomposition,
+# for ops of ours that Inductor calls as they are (no C++ at all).
+_LOOP_COUNTER_OPS: list[Any] = []
+
+
+def _loop_counter_ops() -> list[Any]:
+    """``fsdp_loop::start``, ``below`` and ``next``, registered on first use."""
+    if _LOOP_COUNTER_OPS:
+        return _LOOP_COUNTER_OPS
+
+    @torch.library.custom_op("fsdp_loop::start", mutates_args=(), schema="(Tensor like) -> Tensor")
+    def start(like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.int64)
+
+    @torch.library.custom_op("fsdp_loop::below", mutates_args=(), schema="(Tensor i, int n) -> Tensor")
+    def below(i: torch.Tensor, n: int) -> torch.Tensor:
+        return i < n
+
+    @torch.library.custom_op("fsdp_loop::next", mutates_args=(), schema="(Tensor i) -> Tensor")
+    def step(i: torch.Tensor) -> torch.Tensor:
+        return i + 1
+
+    for op, dtype in ((start, torch.int64), (below, torch.bool), (step, torch.int64)):
+        op.register_fake(lambda *args, dtype=dtype: torch.empty((), dtype=dtype, device="cpu"))
+    ops = torch.ops.fsdp_loop
+    _LOOP_COUNTER_OPS.extend([ops.start.default, ops.below.default, ops.next.default])
+    return _LOOP_COUNTER_OPS
+
+
+def _host_scalar(node: Any) -> bool:
+    val = node.meta.get("val")
+    return (node.op == "call_function" and isinstance(val, torch.Tensor) and val.dim() == 0
+            and val.device.type == "cpu" and val.dtype in (torch.int64, torch.bool))
+
+
+def rewrite_loop_counters(gm: Any) -> None:
+    """A decomposed loop's host counter (``aten.full([], 0)``, ``lt.Scalar``, ``add(i, 1)``) as our
+    ops, in ``gm`` and the loop bodies it holds (NOTE [loop counters off the C++ path])."""
+    start, below, step = _loop_counter_ops()
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), torch.fx.GraphModule):
+            rewrite_loop_counters(getattr(gm, str(node.target)))
+        if not _host_scalar(node):
+            continue
+        if node.target is aten.full.default and node.args[1] == 0 and node.meta["val"].dtype == torch.int64:
+            like = next(iter(gm.graph.find_nodes(op="placeholder")), None)
+            if like is not None:  # any input: the op needs one tensor argument, and ignores it
+                node.target, node.args, node.kwargs = start, (like,), {}
+        elif node.target is aten.lt.Scalar and isinstance(node.args[1], int):
+            node.target, node.kwargs = below, {}
+        elif node.target is aten.add.Tensor and node.args[1] == 1:
+            node.target, node.args, node.kwargs = step, (node.args[0],), {}
+    gm.recompile()
+
+
+@contextlib.contextmanager
+def host_loop_counters() -> Iterator[None]:
+    """Within the context, Inductor's scan decomposition runs whether Dynamo traced the whole graph or
+    not, and is followed by :func:`rewrite_loop_counters` (NOTE [loop counters off the C++ path])."""
+    import torch._inductor.fx_passes.post_grad as post_grad
+
+    decompose = post_grad.decompose_scan_to_while_loop
+
+    def decompose_then_rewrite(gm: Any) -> None:
+        # The decomposition reads the counter with ``.item()`` while tracing the loop body, which a fake
+        # mode allows only where Dynamo traced with ``fullgraph=True`` (its shape environment's
+        # ``allow_scalar_outputs``) or the mode itself says so; the counter is ours either way.
+        mode = torch._guards.detect_fake_mode()
+        allowed = getattr(mode, "allow_scalar_outputs", None)
+        if allowed is not None:
+            mode.allow_scalar_outputs = True
+        try:
+            decompose(gm)
+        finally:
+            if allowed is not None:
+                mode.allow_scalar_outputs = allowed
+        rewrite_loop_counters(gm)
+
+    post_grad.decompose_scan_to_while_loop = decompose_then_rewrite
+    try:
+        yield
+    finally:
+        post_grad.decompose_scan_to_while_loop = decompose

@@ -39,6 +39,7 @@ from torch import fx, nn
 from passes import NamedPass, run_passes
 from passes.absorb import absorb_copies_pass
 from passes.bucket import bucket_pass
+from passes.loops import loop_bodies_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
@@ -51,6 +52,7 @@ from ._compat import (
     aot_autograd,
     compile_fx_inner,
     forward_user_outputs,
+    host_loop_counters,
     inductor_config_patch,
     inductor_pre_grad_passes,
     keep_output_strides,
@@ -60,6 +62,7 @@ from ._compat import (
     resolve_group,
     select_decomp_table,
     serializable,
+    tagging_loop_bodies,
     timed,
 )
 from .autotune import Choice
@@ -67,7 +70,7 @@ from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule, schedule_logged
 from .module import OUTLINES
-from .partition import partition
+from .partition import partition, tag_loop_body
 from .regions import outer_markers
 from .units import is_sharded
 
@@ -174,7 +177,10 @@ def _scheduling(options: BackendOptions, choice: Choice) -> list[NamedPass]:
 def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.GraphModule:
     """All passes, in order; ``"auto"`` settings resolved on the bucketed graph with the cost model."""
     skip, diff = options.disabled_passes, options.log_pass_diffs
-    gm = run_passes(gm, _lowering(options), disabled=skip, log_diff=diff, allow_unknown=True)
+    lowering = _lowering(options)
+    # A stack's markers are in its loop body (NOTE [stacked blocks]): lowered and bucketed there, once.
+    gm = loop_bodies_pass(gm, passes=[p.fn for p in lowering if p.name not in skip])
+    gm = run_passes(gm, lowering, disabled=skip, log_diff=diff, allow_unknown=True)
     if options.uses_cost_model():
         choice = autotune.choose(gm, hw, prefetch=options.prefetch, prefetch_bytes=options.prefetch_bytes,
                                  schedule=options.schedule, reduce_scatter_bytes=options.reduce_scatter_bytes)
@@ -230,7 +236,9 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
     keep_output_strides(gm, None if is_backward or is_inference else forward_user_outputs())  # NOTE [output strides]
     calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
     patches = {"reorder_for_peak_memory": False} if options.pin_order or calls else {}
-    with inductor_config_patch(patches), lowering_outlined_bodies():  # NOTE [donated subgraph inputs]
+    loops = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)
+    counters = host_loop_counters() if loops else contextlib.nullcontext()  # NOTE [loop counters off the C++ path]
+    with inductor_config_patch(patches), lowering_outlined_bodies(), counters:  # NOTE [donated subgraph inputs]
         return compile_fx_inner(
             gm,
             example_inputs,
@@ -340,7 +348,7 @@ def make_backend(
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
-        with region_schemas_once():
+        with region_schemas_once(), tagging_loop_bodies(tag_loop_body):  # NOTE [stacked blocks]
             compiled = (aot_cached if cached else aot_uncached)(gm, example_inputs)
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .stack import BlockStack
+
 __all__ = ["ModelConfig", "Transformer", "PRESETS"]
 
 
@@ -146,6 +148,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.tok_embeddings(tokens)
+        if isinstance(self.layers, BlockStack):  # one loop (NOTE [stacked blocks])
+            return self.output(self.norm(self.layers(x, self.rope_cos, self.rope_sin)))
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
         return self.output(self.norm(x))

@@ -20,7 +20,7 @@ from passes.predicates import UnshardArgs, is_unshard
 
 from ._compat import inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
 
-__all__ = ["partition"]
+__all__ = ["partition", "tag_loop_body"]
 
 _VIEW_OPS = {
     torch.ops.aten.t.default,
@@ -45,7 +45,7 @@ _VIEW_OPS = {
 _AC_GRAPH_ID = 1 << 30
 
 
-def _tag_reshard(joint: fx.GraphModule) -> None:
+def _tag_reshard(joint: fx.GraphModule, views: set[Any] = _VIEW_OPS) -> None:
     """NOTE [reshard by recompute]: mark unshards of resharding units (and the view/cast chains that
     only read them) must-recompute, so the partitioner cannot save a gathered param for backward and
     instead re-runs the unshard there; units with ``reshard_after_forward=False`` are must-save."""
@@ -61,10 +61,34 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
         frontier = list(node.users)
         while frontier:
             user = frontier.pop()
-            if user.op == "call_function" and user.target in _VIEW_OPS and user.meta.get("ac_graph_id") != _AC_GRAPH_ID:
+            if user.op == "call_function" and user.target in views and user.meta.get("ac_graph_id") != _AC_GRAPH_ID:
                 user.meta["recompute"] = policy
                 user.meta["ac_graph_id"] = _AC_GRAPH_ID
                 frontier.extend(user.users)
+
+
+# A loop body's joint graph is functional, its views copies (``t_copy``), and a layout change of a view is a
+# ``clone``: each would otherwise be saved in the gathered parameter's place.
+_VIEW_COPY_OPS = {
+    torch.ops.aten.clone.default,
+    torch.ops.aten.t_copy.default,
+    torch.ops.aten.view_copy.default,
+    torch.ops.aten.permute_copy.default,
+    torch.ops.aten.transpose_copy.int,
+    torch.ops.aten.expand_copy.default,
+    torch.ops.aten.slice_copy.Tensor,
+    torch.ops.aten.select_copy.int,
+    torch.ops.aten.alias_copy.default,
+    torch.ops.aten.unsqueeze_copy.default,
+    torch.ops.aten.squeeze_copy.dim,
+}
+
+
+def tag_loop_body(joint: fx.GraphModule) -> None:
+    """NOTE [reshard by recompute] in a stack's loop body (NOTE [stacked blocks] in ``stack.py``): run
+    on each loop body's joint graph before torch partitions it (``tagging_loop_bodies``), so that the
+    loop's forward keeps each block's shard, not its gathered parameters, and its backward gathers again."""
+    _tag_reshard(joint, _VIEW_OPS | _VIEW_COPY_OPS)
 
 
 def _read_passed_through_inputs(joint: fx.GraphModule) -> None:

@@ -20,6 +20,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "compile": ("plain", {}),
     "fsdp-compile": ("fsdp", {}),  # the default: identical blocks outlined (NOTE [outlined units])
     "fsdp-compile-whole": ("fsdp", {"outline": False}),  # one whole-model graph, every block inline
+    "fsdp-compile-stacked": ("stacked", {}),  # the blocks as one BlockStack: one loop (NOTE [stacked blocks])
     "fsdp2-compile": ("fsdp2", {}),
     # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/peers.py; CUDA only)
     "simplefsdp": ("simplefsdp", {}),
@@ -86,8 +87,10 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
         return torch.compile(model)
     from fsdp_compile import FsdpGroups, fully_shard, make_backend
 
+    from benchmarks.models import stack_blocks
+
     groups = FsdpGroups.create()
-    for block in model.layers:
+    for block in [stack_blocks(model)] if how == "stacked" else model.layers:
         fully_shard(block, groups=groups)
     fully_shard(model, groups=groups)
     kw = dict(backend_kw)

@@ -149,6 +149,19 @@ def build_model(spec: ModelSpec, device: torch.device | str) -> nn.Module:
     return model.to(spec.torch_dtype)
 
 
+def stack_blocks(model: nn.Module) -> nn.Module:
+    """Put a Llama's blocks into one :class:`fsdp_compile.stack.BlockStack` (``model.layers``), which
+    its forward then runs as one loop (NOTE [stacked blocks]); returns the stack."""
+    from fsdp_compile.models import Transformer
+    from fsdp_compile.stack import BlockStack
+
+    if not isinstance(model, Transformer):
+        raise ValueError(f"stack_blocks: only the llama model calls a BlockStack, not {type(model).__name__}; "
+                         "use --model llama (or a preset of it) for the stacked variants.")
+    model.layers = BlockStack(model.layers)  # type: ignore[assignment]
+    return model.layers
+
+
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The blocks that each become one ``fully_shard`` unit (the root is the last unit)."""
     return list(model.layers)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.models import ModelSpec, Runner, blocks_of, build_model
+from benchmarks.models import ModelSpec, Runner, blocks_of, build_model, stack_blocks
 from benchmarks.peers import PEERS, build_megatron_fsdp, build_simple_fsdp, peer_reason
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 
@@ -28,18 +28,21 @@ __all__ = ["COMPARISONS", "DEFAULT_VARIANTS", "OPTIMIZERS", "VARIANTS", "SharedG
 VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-whole", "fsdp-compile-bucketed", "fsdp-compile-packed",
                              "fsdp-compile-ag", "fsdp-compile-delayed", "fsdp2-eager",
                              "fsdp2-eager-one-group", "fsdp2-compile", *PEERS, "compile", "fsdp-compile-keep",
-                             "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")
+                             "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed",
+                             "fsdp-compile-stacked", "fsdp-compile-keep-stacked")
+_STACKED = ("fsdp-compile-stacked", "fsdp-compile-keep-stacked")  # one BlockStack (NOTE [stacked blocks])
 _KEEP = ("fsdp-compile-keep", "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed",
-         "fsdp-compile-keep-packed")  # world 1 only
+         "fsdp-compile-keep-packed", "fsdp-compile-keep-stacked")  # world 1 only
 COMPARISONS: tuple[str, ...] = ("fsdp-compile-whole", "fsdp-compile-bucketed", "fsdp-compile-packed",
-                                "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed")
+                                "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed",
+                                *_STACKED)
 """Variants that only take one of fsdp-compile's choices back (see ``_BACKEND_KW``): run when named."""
 DEFAULT_VARIANTS: tuple[str, ...] = tuple(v for v in VARIANTS if v not in COMPARISONS)
 OPTIMIZERS: tuple[str, ...] = ("fused", "foreach")
 _DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-whole": "reduce_scatter",
               "fsdp-compile-bucketed": "reduce_scatter",
               "fsdp-compile-packed": "reduce_scatter", "fsdp-compile-ag": "all_gather", "fsdp-compile-delayed": "none",
-              **{k: "reduce_scatter" for k in _KEEP}}
+              "fsdp-compile-stacked": "reduce_scatter", **{k: "reduce_scatter" for k in _KEEP}}
 _BUCKETED: dict[str, Any] = {"bucket_alone_bytes": None}  # every param bucketed, gathered in place
 _PACKED: dict[str, Any] = {"bucket_alone_bytes": None, "inplace_gather": False}  # as before 2026-12-01
 _WHOLE: dict[str, Any] = {"outline": False}  # every block inline, one whole-model graph (before 2026-12-01)
@@ -47,6 +50,7 @@ _BACKEND_KW: dict[str, dict[str, Any]] = {"fsdp-compile-delayed": {"schedule": "
                                           "fsdp-compile-keep-whole": {"elide_single_rank": False, **_WHOLE},
                                           "fsdp-compile-bucketed": _BUCKETED, "fsdp-compile-packed": _PACKED,
                                           "fsdp-compile-keep": {"elide_single_rank": False},
+                                          "fsdp-compile-keep-stacked": {"elide_single_rank": False},
                                           "fsdp-compile-keep-bucketed": {"elide_single_rank": False, **_BUCKETED},
                                           "fsdp-compile-keep-packed": {"elide_single_rank": False, **_PACKED}}
 
@@ -133,7 +137,7 @@ def build_variant(name: str, spec: ModelSpec, shared: SharedGroups, seed: int, o
         forward = build_simple_fsdp(model, shared.fsdp2_mesh())
     elif name in _DEDICATED:
         groups = shared.groups(_DEDICATED[name])
-        for block in blocks_of(model):
+        for block in [stack_blocks(model)] if name in _STACKED else blocks_of(model):
             fully_shard(block, groups=groups)
         fully_shard(model, groups=groups)
         forward = torch.compile(model, backend=make_backend(**_BACKEND_KW.get(name, {})))

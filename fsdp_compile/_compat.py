@@ -39,6 +39,7 @@ __all__ = [
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "queue_end_of_backward",
+    "CACHEABLE_LOOPS",
     "SCAN_NEEDS_FIRST_CARRY_GRAD",
     "host_loop_counters",
     "region_schemas_once",
@@ -343,7 +344,8 @@ _LOOP_COUNTER_OPS: list[Any] = []
 
 
 def _loop_counter_ops() -> list[Any]:
-    """``fsdp_loop::start``, ``below`` and ``next``, registered on first use."""
+    """``fsdp_loop::start``, ``below`` and ``next`` (registered when this module is imported: code that
+    a warm start loads from Inductor's cache calls them)."""
     if _LOOP_COUNTER_OPS:
         return _LOOP_COUNTER_OPS
 
@@ -364,6 +366,16 @@ def _loop_counter_ops() -> list[Any]:
     ops = torch.ops.fsdp_loop
     _LOOP_COUNTER_OPS.extend([ops.start.default, ops.below.default, ops.next.default])
     return _LOOP_COUNTER_OPS
+
+
+_loop_counter_ops()
+
+# NOTE [caching loops]: torch marks ``scan`` and ``while_loop`` uncacheable, so a graph holding a stack's
+# loop would compile afresh at every process start. Their bodies are graph modules of the graph being
+# keyed, hashed with it as ``invoke_subgraph`` bodies are (which torch does cache), so the backend marks
+# the two cacheable while it compiles, keyed by the torch version (``tests/test_warm_start.py``).
+CACHEABLE_LOOPS = {"unsafe_marked_cacheable_functions": {
+    "torch.ops.higher_order.scan": torch.__version__, "torch.ops.higher_order.while_loop": torch.__version__}}
 
 
 def _host_scalar(node: Any) -> bool:

@@ -49,6 +49,7 @@ from passes.streams import check_streams, streams_pass
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
 from . import agreement, autotune, cache, lockstep
 from ._compat import (
+    CACHEABLE_LOOPS,
     aot_autograd,
     compile_fx_inner,
     forward_user_outputs,
@@ -238,6 +239,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
     patches = {"reorder_for_peak_memory": False} if options.pin_order or calls else {}
     loops = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)
     counters = host_loop_counters() if loops else contextlib.nullcontext()  # NOTE [loop counters off the C++ path]
+    if loops:
+        patches.update(CACHEABLE_LOOPS)  # NOTE [caching loops]: AOTAutograd may compile a backward lazily
     with inductor_config_patch(patches), lowering_outlined_bodies(), counters:  # NOTE [donated subgraph inputs]
         return compile_fx_inner(
             gm,
@@ -348,7 +351,10 @@ def make_backend(
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
-        with region_schemas_once(), tagging_loop_bodies(tag_loop_body):  # NOTE [stacked blocks]
+        loops = cached and bool(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan))
+        cacheable_loops = inductor_config_patch(CACHEABLE_LOOPS) if loops else contextlib.nullcontext()
+        # NOTE [stacked blocks], NOTE [caching loops]
+        with region_schemas_once(), tagging_loop_bodies(tag_loop_body), cacheable_loops:
             compiled = (aot_cached if cached else aot_uncached)(gm, example_inputs)
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 

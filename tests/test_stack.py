@@ -1,0 +1,259 @@
+"""Stacked blocks (NOTE [stacked blocks] in fsdp_compile/stack.py): a ``BlockStack`` computes what its
+blocks compute, compiled as one loop; sharded, the loop body gathers its block and reduce-scatters
+its gradients, the forward keeps only shards, the schedule and the order in Inductor's code are
+pinned, a warm start loads it, and misuse is refused with the fix.
+
+Numerics on gloo with 2 ranks against a single-process reference are in tests/test_numerics.py
+(``stacked``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache, run_and_get_code
+
+from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend, set_requires_gradient_sync
+from fsdp_compile.models import Transformer, loss_fn
+from fsdp_compile.schedule import group_labels, listing
+from fsdp_compile.stack import BlockStack
+from passes.loops import loop_bodies, loop_bodies_pass
+
+from .graph_utils import SMALL, FakeWorldTestCase, capture, fake_process_group
+from .test_inductor_order import emitted_order
+
+# Widths that differ from every activation's, so a saved gathered weight shows in the outputs' shapes.
+CFG = SMALL.with_(n_layers=3, dim=24, hidden_dim=40)
+
+
+def _stacked(cfg: Any = CFG, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    model.layers = BlockStack(model.layers)  # type: ignore[assignment]
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def _loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    return loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+# --- The stack computes what the blocks compute ---
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_stack_computes_what_its_blocks_compute(compiled: bool) -> None:
+    torch.manual_seed(0)
+    plain = Transformer(CFG)
+    stacked = _stacked()
+    assert [n for n, _ in stacked.layers.block.named_parameters()] == list(stacked.layers.names)
+    run = torch.compile(stacked, backend="aot_eager", fullgraph=True) if compiled else stacked
+    tokens = _tokens()
+    loss, ref = _loss(run, tokens), _loss(plain, tokens)
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    ref.backward()
+    for name, p in stacked.layers.block.named_parameters():
+        want = torch.stack([blk.get_parameter(name).grad for blk in plain.layers])
+        torch.testing.assert_close(p.grad, want, msg=lambda m, name=name: f"{name}: {m}")
+    torch.testing.assert_close(stacked.tok_embeddings.weight.grad, plain.tok_embeddings.weight.grad)
+
+
+def test_a_carry_that_needs_no_grad_still_gets_every_block_its_gradient() -> None:
+    """torch 2.11 drops the carry's gradient when the first carry does not require grad
+    (SCAN_NEEDS_FIRST_CARRY_GRAD in _compat.py): every block but the last would get a wrong gradient."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+    h = torch.randn(4, 6)  # an input, not an activation: no grad
+    ref = h
+    for blk in blocks:
+        ref = blk(ref)
+    ref.sum().backward()
+    want = torch.stack([b[0].weight.grad for b in blocks])
+    stack = BlockStack(blocks)
+    torch.compile(stack, backend="aot_eager", fullgraph=True)(h).sum().backward()
+    torch.testing.assert_close(stack.block[0].weight.grad, want)
+
+
+# --- Misuse ---
+
+
+class _Other(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class _Shrinks(_Other):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[:, :2]
+
+
+def test_blocks_one_loop_cannot_stand_for_are_refused() -> None:
+    with pytest.raises(ValueError, match="no blocks"):
+        BlockStack([])
+    with pytest.raises(ValueError, match="one kind of block"):
+        BlockStack([_Other(), nn.Sequential(nn.Linear(4, 4))])
+    wide = _Other()
+    wide.lin = nn.Linear(4, 8)
+    with pytest.raises(ValueError, match="parameters differ"):
+        BlockStack([_Other(), wide])
+    frozen = _Other()
+    frozen.lin.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="Freeze or unfreeze whole roles"):
+        BlockStack([_Other(), frozen])
+    hooked = _Other()
+    hooked.lin.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="has hooks"):
+        BlockStack([_Other(), hooked])
+    with pytest.raises(TypeError, match="must return a tensor like its first argument"):
+        BlockStack([_Shrinks(), _Shrinks()])(torch.randn(2, 4))
+
+
+class StackMisuse(FakeWorldTestCase):
+    def test_sharding_refusals_name_the_fix(self) -> None:
+        groups = FsdpGroups.create()
+        blocks = [_Other(), _Other()]
+        fully_shard(blocks[0], groups=groups)
+        with self.assertRaisesRegex(ValueError, "build the BlockStack from plain blocks first"):
+            BlockStack(blocks)
+        stack = BlockStack([_Other(), _Other()])
+        with self.assertRaisesRegex(ValueError, "already runs its blocks as one loop"):
+            fully_shard(stack, groups=groups, outline=True)
+        fully_shard(stack, groups=groups)
+        with self.assertRaisesRegex(ValueError, "cannot accumulate full gradients without sync"):
+            set_requires_gradient_sync(stack, False)
+        with self.assertRaisesRegex(ValueError, "checkpoint functions do not convert them"):
+            get_model_state_dict(stack)
+
+    def test_each_shard_holds_its_rows_of_every_block(self) -> None:
+        groups = FsdpGroups.create()
+        torch.manual_seed(0)
+        blocks = [nn.Linear(5, 3) for _ in range(2)]  # 5 rows of weight... dim 0 is 3: padded to 2 rows
+        full = torch.stack([b.weight.detach().clone() for b in blocks])
+        stack = fully_shard(BlockStack(blocks), groups=groups)
+        shard = stack.block.weight
+        assert shard.shape == (2, 2, 5)  # blocks, ceil(3 / 2) rows, columns
+        torch.testing.assert_close(shard, full[:, :2])
+        assert stack in {m for m in [stack]} and type(stack).__name__ == "FsdpBlockStack"
+
+
+# --- The schedule: collectives inside the loop body, the forward keeps shards ---
+
+
+class StackSchedule(FakeWorldTestCase):
+    def _graphs(self, **backend_kw: Any) -> tuple[dict[str, Any], dict[str, str]]:
+        groups = FsdpGroups.create()
+        model = _stacked()
+        fully_shard(model.layers, groups=groups)
+        fully_shard(model, groups=groups)
+        return capture(model, _tokens()[:, :-1], **backend_kw), group_labels(groups)
+
+    def _listing(self, gm: Any, labels: dict[str, str]) -> str:
+        parts = [listing(gm, labels)]
+        parts += [f"loop body:\n{listing(body, labels)}" for body in loop_bodies(gm)]
+        return "\n".join(parts)
+
+    def test_each_iteration_gathers_its_block_and_reduce_scatters_its_gradients(self) -> None:
+        graphs, labels = self._graphs()
+        self.assertExpectedInline(self._listing(graphs["forward"], labels), """\
+0  pack            unit 1  ag
+1  all_gather      unit 1  ag     all_gather      4160 B
+2  wait            unit 1  ag     all_gather
+3  unpack          unit 1  ag
+4  compute         embedding scan pow mean add rsqrt mul mm rev  (47 nodes)
+loop body:
+0  pack            unit 0  ag
+1  all_gather      unit 0  ag                     7296 B
+2  wait            unit 0  ag
+3  unpack          unit 0  ag
+4  compute         pow mean add rsqrt mul mm slice_copy sub _scaled_dot_product_flash_attention_for_cpu neg exp div  (94 nodes)""")
+        self.assertExpectedInline(self._listing(graphs["backward"], labels), """""")
+
+    def test_the_forward_keeps_each_blocks_shards_not_its_gathered_weights(self) -> None:
+        """NOTE [stacked blocks]: the body's unshards are recomputed in backward (resharding after
+        forward), so no (blocks, *full weight shape) tensor is saved."""
+        graphs, _ = self._graphs()
+        (out,) = graphs["forward"].graph.find_nodes(op="output")
+        saved = {tuple(o.meta["val"].shape) for o in out.args[0] if isinstance(o, torch.fx.Node)}
+        d, f, n = CFG.dim, CFG.ffn_dim, CFG.n_layers
+        assert not saved & {(n, d, d), (n, f, d), (n, d, f)}, saved
+        assert {(n, d // 2, d), (n, f // 2, d), (n, d // 2, f)} <= saved  # each block's shards
+
+    def test_inductor_keeps_the_bodys_collectives_in_order(self) -> None:
+        groups = FsdpGroups.create()
+        model = _stacked()
+        fully_shard(model.layers, groups=groups)
+        fully_shard(model, groups=groups)
+        compiled = torch.compile(model, backend=make_backend(check_agreement=False), fullgraph=True)
+        with fresh_cache():
+            _, (forward, backward) = run_and_get_code(lambda: _loss(compiled, _tokens()).backward())
+        assert "while" in forward, "the forward runs its blocks as one loop"
+        self.assertEqual(emitted_order(forward), [])
+        self.assertEqual(emitted_order(backward), [])
+
+
+def test_loop_bodies_pass_runs_each_pass_in_each_body_only() -> None:
+    """The pass on a graph traced without any process group: one scan, whose body the passes see."""
+    seen: list[torch.fx.GraphModule] = []
+
+    def note(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        seen.append(gm)
+        return gm
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    stack = BlockStack([nn.Linear(4, 4) for _ in range(3)])
+    torch.compile(stack, backend=keep, fullgraph=True)(torch.randn(2, 4))
+    (gm,) = graphs
+    bodies = list(loop_bodies(gm))
+    assert len(bodies) == 1 and bodies[0] is not gm
+    assert loop_bodies_pass(gm, passes=[note, note]) is gm
+    assert seen == [bodies[0], bodies[0]]
+
+
+# --- Warm start (NOTE [caching loops]) ---
+
+
+@contextlib.contextmanager
+def _world() -> Any:
+    with fake_process_group(2):
+        groups = FsdpGroups.create()
+        try:
+            yield groups
+        finally:
+            groups.destroy()
+
+
+def _cached_step(groups: FsdpGroups, cfg: Any = CFG) -> dict[str, int]:
+    torch._dynamo.reset()
+    counters["aot_autograd"].clear()
+    model = _stacked(cfg)
+    fully_shard(model.layers, groups=groups)
+    fully_shard(model, groups=groups)
+    _loss(torch.compile(model, backend=make_backend(), fullgraph=True), _tokens()).backward()
+    return {k.removeprefix("autograd_cache_"): int(v) for k, v in counters["aot_autograd"].items()
+            if k.startswith("autograd_cache_")}
+
+
+def test_a_warm_start_loads_the_loop_and_a_different_body_compiles_again() -> None:
+    with fresh_cache(), _world() as groups:
+        assert _cached_step(groups) == {"miss": 1, "saved": 1}
+        assert _cached_step(groups) == {"hit": 1}
+        # Only the body differs (its norm's epsilon): the key must see inside the loop.
+        assert _cached_step(groups, CFG.with_(norm_eps=1e-3)) == {"miss": 1, "saved": 1}

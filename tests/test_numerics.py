@@ -54,6 +54,7 @@ SCHEDULES = {
 TWO_RANKS: dict[str, Case] = {
     "llama-sgd": Case(optim="sgd"),
     "accumulate": Case(microbatches=2, steps=4, backend_kw=FX),
+    "stacked": Case(model="llama-stacked", optim="adamw", steps=5),  # one BlockStack: NOTE [stacked blocks]
     **{f"schedule-{name}": Case(optim="adamw", steps=5, backend_kw=kw, group_kw=gkw)
        for name, (kw, gkw) in SCHEDULES.items()},
 }
@@ -69,6 +70,11 @@ def two_ranks() -> dict[str, list[dict[str, Any]]]:
 
 def test_llama_two_ranks_sgd(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
     check(two_ranks["llama-sgd"], steps=TWO_RANKS["llama-sgd"].steps)
+
+
+def test_stacked_blocks_match_the_reference(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    """One BlockStack of the blocks, compiled by Inductor as one loop (NOTE [stacked blocks])."""
+    check(two_ranks["stacked"], steps=TWO_RANKS["stacked"].steps)
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))

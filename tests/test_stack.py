@@ -10,6 +10,7 @@ Numerics on gloo with 2 ranks against a single-process reference are in tests/te
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import pytest
@@ -19,13 +20,14 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend, set_requires_gradient_sync
+from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, loss_fn
 from fsdp_compile.schedule import group_labels, listing
 from fsdp_compile.stack import BlockStack
 from passes.loops import loop_bodies, loop_bodies_pass
 
 from .graph_utils import SMALL, FakeWorldTestCase, capture, fake_process_group
-from .test_inductor_order import emitted_order
+from .test_inductor_order import emitted_order, fx_order
 
 # Widths that differ from every activation's, so a saved gathered weight shows in the outputs' shapes.
 CFG = SMALL.with_(n_layers=3, dim=24, hidden_dim=40)
@@ -140,13 +142,12 @@ class StackMisuse(FakeWorldTestCase):
     def test_each_shard_holds_its_rows_of_every_block(self) -> None:
         groups = FsdpGroups.create()
         torch.manual_seed(0)
-        blocks = [nn.Linear(5, 3) for _ in range(2)]  # 5 rows of weight... dim 0 is 3: padded to 2 rows
+        blocks = [nn.Linear(5, 3) for _ in range(2)]  # weights of 3 rows: 2 per rank, the last one padding
         full = torch.stack([b.weight.detach().clone() for b in blocks])
         stack = fully_shard(BlockStack(blocks), groups=groups)
         shard = stack.block.weight
         assert shard.shape == (2, 2, 5)  # blocks, ceil(3 / 2) rows, columns
-        torch.testing.assert_close(shard, full[:, :2])
-        assert stack in {m for m in [stack]} and type(stack).__name__ == "FsdpBlockStack"
+        torch.testing.assert_close(shard, full[:, :2])  # rank 0's rows of each block
 
 
 # --- The schedule: collectives inside the loop body, the forward keeps shards ---
@@ -169,17 +170,38 @@ class StackSchedule(FakeWorldTestCase):
         graphs, labels = self._graphs()
         self.assertExpectedInline(self._listing(graphs["forward"], labels), """\
 0  pack            unit 1  ag
-1  all_gather      unit 1  ag     all_gather      4160 B
+1  all_gather      unit 1  ag     all_gather      6240 B
 2  wait            unit 1  ag     all_gather
 3  unpack          unit 1  ag
 4  compute         embedding scan pow mean add rsqrt mul mm rev  (47 nodes)
 loop body:
 0  pack            unit 0  ag
-1  all_gather      unit 0  ag                     7296 B
+1  all_gather      unit 0  ag                     20928 B
 2  wait            unit 0  ag
 3  unpack          unit 0  ag
 4  compute         pow mean add rsqrt mul mm slice_copy sub _scaled_dot_product_flash_attention_for_cpu neg exp div  (94 nodes)""")
-        self.assertExpectedInline(self._listing(graphs["backward"], labels), """""")
+        self.assertExpectedInline(self._listing(graphs["backward"], labels), """\
+0  compute         mm  (3 nodes)
+1  pack            unit 1  ag
+2  all_gather      unit 1  ag     all_gather      3168 B
+3  wait            unit 1  ag     all_gather
+4  unpack          unit 1  ag
+5  compute         mm mul sum pow div add rev scan ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (61 nodes)
+6  pack            unit 1  rs
+7  reduce_scatter  unit 1  rs     reduce_scatter  6240 B
+8  wait            unit 1  rs     reduce_scatter
+9  unpack          unit 1  rs
+loop body:
+0  compute         mm  (6 nodes)
+1  pack            unit 0  ag
+2  all_gather      unit 0  ag                     20928 B
+3  wait            unit 0  ag
+4  unpack          unit 0  ag
+5  compute         mm neg exp add div mul sigmoid sub sum pow _scaled_dot_product_flash_attention_for_cpu_backward select_copy slice_scatter  (191 nodes)
+6  pack            unit 0  rs
+7  reduce_scatter  unit 0  rs                     20928 B
+8  wait            unit 0  rs
+9  unpack          unit 0  rs""")
 
     def test_the_forward_keeps_each_blocks_shards_not_its_gathered_weights(self) -> None:
         """NOTE [stacked blocks]: the body's unshards are recomputed in backward (resharding after
@@ -192,16 +214,38 @@ loop body:
         assert {(n, d // 2, d), (n, f // 2, d), (n, d // 2, f)} <= saved  # each block's shards
 
     def test_inductor_keeps_the_bodys_collectives_in_order(self) -> None:
+        """The order in Inductor's code, of the loop body's function and of the graph around the loop,
+        is the scheduled FX graphs' (NOTE [pinning the schedule])."""
         groups = FsdpGroups.create()
         model = _stacked()
         fully_shard(model.layers, groups=groups)
         fully_shard(model, groups=groups)
         compiled = torch.compile(model, backend=make_backend(check_agreement=False), fullgraph=True)
-        with fresh_cache():
+        with fresh_cache(), observe_graphs() as seen:
             _, (forward, backward) = run_and_get_code(lambda: _loss(compiled, _tokens()).backward())
-        assert "while" in forward, "the forward runs its blocks as one loop"
-        self.assertEqual(emitted_order(forward), [])
-        self.assertEqual(emitted_order(backward), [])
+        graphs = dict(seen)
+        for code, kind in ((forward, "forward"), (backward, "backward")):
+            parts = _functions(code)
+            (body,) = [name for name in parts if name.startswith("while_loop_body")]
+            # Inductor decomposed the observed graph's scan in place: a while_loop's condition and body
+            (fx_body,) = [b for b in loop_bodies(graphs[kind]) if fx_order(b)]
+            self.assertEqual(emitted_order(parts[body]), fx_order(fx_body), kind)
+            self.assertEqual(emitted_order(parts["call"]), fx_order(graphs[kind]), kind)
+            assert "while should_loop" in parts["call"], "the blocks run as one loop"
+        self.assertEqual(emitted_order(_functions(backward)[body]),
+                         ["all_gather", "wait all_gather", "reduce_scatter", "wait reduce_scatter"])
+
+
+def _functions(code: str) -> dict[str, str]:
+    """Inductor's generated module by function: each ``def name(`` at the top level, and ``call``."""
+    out: dict[str, list[str]] = {}
+    current = "(module)"
+    for line in code.splitlines():
+        m = re.match(r"^def (\w+)\(|^    def (call)\(", line)
+        if m:
+            current = m.group(1) or m.group(2)
+        out.setdefault(current, []).append(line)
+    return {name: "\n".join(lines) for name, lines in out.items()}
 
 
 def test_loop_bodies_pass_runs_each_pass_in_each_body_only() -> None:

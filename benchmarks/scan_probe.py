@@ -30,10 +30,10 @@ Scalar counters need neither the probes nor the header. ``--lean-cpp`` (GPU only
 ``cpp.vec_isa_ok = False`` (no probes; C++ kernels without vector instructions) and ``--no-pch`` also
 ``cpp_cache_precompile_headers = False``, to measure what the scan costs without that start-up.
 ``--host-counters`` goes further: after torch's decomposition it swaps the counter's three scalar ops
-(start at zero, compare with the length, add one) for ops of this probe that Inductor calls as they
-are instead of generating C++ (``host_counters``), so a GPU model's scan compiles no C++ at all.
-It patches a private torch function, so it is an experiment: it says what a loop with its counter kept
-out of Inductor's C++ would cost, and fsdp-compile would have to do the same in its own backend.
+(start at zero, compare with the length, add one) for ops that Inductor calls as they are instead of
+generating C++, so a GPU model's scan compiles no C++ at all. fsdp-compile's backend now does the same
+for a stack's loop (NOTE [loop counters off the C++ path] in ``fsdp_compile/_compat.py``); the flag
+applies that to plain ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,85 +107,12 @@ def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int 
     return Stack()
 
 
-_COUNTER_OPS: list[Any] = []  # registered once per process: start, below, next
+def host_counters() -> Any:
+    """``--host-counters`` (module docstring): fsdp-compile's own swap of the loop counter
+    (``host_loop_counters``, NOTE [loop counters off the C++ path] in ``fsdp_compile/_compat.py``)."""
+    from fsdp_compile._compat import host_loop_counters
 
-
-def _counter_ops() -> list[Any]:
-    """The probe's three counter ops (``--host-counters``, module docstring), registered on first use."""
-    if _COUNTER_OPS:
-        return _COUNTER_OPS
-    import torch
-
-    lib = "scan_probe"
-
-    @torch.library.custom_op(f"{lib}::counter_start", mutates_args=(), schema="(Tensor like) -> Tensor")
-    def start(like: Any) -> Any:
-        return torch.zeros((), dtype=torch.int64)
-
-    @torch.library.custom_op(f"{lib}::counter_below", mutates_args=(), schema="(Tensor i, int n) -> Tensor")
-    def below(i: Any, n: int) -> Any:
-        return i < n
-
-    @torch.library.custom_op(f"{lib}::counter_next", mutates_args=(), schema="(Tensor i) -> Tensor")
-    def step(i: Any) -> Any:
-        return i + 1
-
-    for op, dtype in ((start, torch.int64), (below, torch.bool), (step, torch.int64)):
-        op.register_fake(lambda *args, dtype=dtype: torch.empty((), dtype=dtype, device="cpu"))
-    ops = torch.ops.scan_probe
-    _COUNTER_OPS.extend([ops.counter_start.default, ops.counter_below.default, ops.counter_next.default])
-    return _COUNTER_OPS
-
-
-def _host_scalar(node: Any) -> bool:
-    import torch
-
-    val = node.meta.get("val")
-    return (node.op == "call_function" and isinstance(val, torch.Tensor) and val.dim() == 0
-            and val.device.type == "cpu" and val.dtype in (torch.int64, torch.bool))
-
-
-def _rewrite_counters(gm: Any) -> None:
-    """A decomposed loop's counter (``aten.full([], 0)``, ``lt.Scalar``, ``add(i, 1)`` on the host) as the
-    probe's ops, in ``gm`` and the loop bodies it holds."""
-    import torch
-    from torch import fx
-
-    start, below, step = _counter_ops()
-    aten = torch.ops.aten
-    for node in list(gm.graph.nodes):
-        if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), fx.GraphModule):
-            _rewrite_counters(getattr(gm, str(node.target)))
-        if not _host_scalar(node):
-            continue
-        if node.target is aten.full.default and node.args[1] == 0 and node.meta["val"].dtype == torch.int64:
-            like = next(iter(gm.graph.find_nodes(op="placeholder")), None)
-            if like is not None:  # any input: the op needs one tensor argument, and ignores it
-                node.target, node.args, node.kwargs = start, (like,), {}
-        elif node.target is aten.lt.Scalar and isinstance(node.args[1], int):
-            node.target, node.kwargs = below, {}
-        elif node.target is aten.add.Tensor and node.args[1] == 1:
-            node.target, node.args, node.kwargs = step, (node.args[0],), {}
-    gm.recompile()
-
-
-@contextlib.contextmanager
-def host_counters() -> Iterator[None]:
-    """``--host-counters`` (module docstring): while open, Inductor's scan decomposition is followed by
-    :func:`_rewrite_counters`. Patches a private torch function (an experiment, not fsdp-compile's code)."""
-    import torch._inductor.fx_passes.post_grad as post_grad
-
-    decompose = post_grad.decompose_scan_to_while_loop
-
-    def decompose_then_rewrite(gm: Any) -> None:
-        decompose(gm)
-        _rewrite_counters(gm)
-
-    post_grad.decompose_scan_to_while_loop = decompose_then_rewrite
-    try:
-        yield
-    finally:
-        post_grad.decompose_scan_to_while_loop = decompose
+    return host_loop_counters()
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:

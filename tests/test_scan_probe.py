@@ -1,6 +1,7 @@
-"""benchmarks.scan_probe's ``--host-counters`` experiment (NOTE [lean C++ for a GPU loop] there): the
-decomposed scan's counter runs as the probe's ops, in forward and backward, the numbers stay those of
-the uncompiled loop, and the patch of torch's decomposition is undone on leaving."""
+"""benchmarks.scan_probe's ``--host-counters`` (NOTE [lean C++ for a GPU loop] there), which is the
+backend's own swap (NOTE [loop counters off the C++ path] in fsdp_compile/_compat.py): the decomposed
+scan's counter runs as our ops, in forward and backward, the numbers stay those of the uncompiled loop,
+and the patch of torch's decomposition is undone on leaving."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch._inductor.fx_passes.post_grad as post_grad
 
 from benchmarks import scan_probe
+from fsdp_compile import _compat
 
 
 def test_option_checks() -> None:
@@ -22,7 +24,7 @@ def test_option_checks() -> None:
 
 def test_host_counters_keep_the_loss_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     rewritten: list[list[str]] = []
-    rewrite = scan_probe._rewrite_counters
+    rewrite = _compat.rewrite_loop_counters
     depth = [0]
 
     def spy(gm: Any) -> None:  # the rewrite recurses into loop bodies: record the whole graphs only
@@ -36,10 +38,10 @@ def test_host_counters_keep_the_loss_and_gradients(monkeypatch: pytest.MonkeyPat
         targets: list[str] = []
         for m in gm.modules():
             if isinstance(m, torch.fx.GraphModule):
-                targets += [str(n.target) for n in m.graph.nodes if "scan_probe" in str(n.target)]
+                targets += [str(n.target) for n in m.graph.nodes if "fsdp_loop" in str(n.target)]
         rewritten.append(targets)
 
-    monkeypatch.setattr(scan_probe, "_rewrite_counters", spy)
+    monkeypatch.setattr(_compat, "rewrite_loop_counters", spy)
     torch.manual_seed(0)
     model = scan_probe._stack(2, 16, 2, 32, "scan")
     loop = scan_probe._stack(2, 16, 2, 32, "loop")
@@ -54,7 +56,7 @@ def test_host_counters_keep_the_loss_and_gradients(monkeypatch: pytest.MonkeyPat
     assert post_grad.decompose_scan_to_while_loop is decompose
     expected = loop(tokens).float().logsumexp(-1).mean()
     expected.backward()
-    ops = [f"scan_probe.counter_{op}.default" for op in ("start", "below", "next")]
+    ops = [f"fsdp_loop.{op}.default" for op in ("start", "below", "next")]
     # Inductor decomposes each graph it compiles, bodies first: the forward's and the backward's loops
     loops = [t for t in rewritten if t]
     assert len(loops) == 2 and all(sorted(t) == sorted(ops) for t in loops), rewritten

@@ -15,8 +15,10 @@ from .groups import Dedicated, FsdpGroups
 from .module import FsdpModule
 from .grads import ShardGrad
 from .sharding import MixedPrecisionPolicy, fully_shard, local_shard
+from .stack import BlockStack
 
 __all__ = [
+    "BlockStack",
     "Dedicated",
     "FsdpGroups",
     "FsdpModule",

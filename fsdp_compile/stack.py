@@ -92,8 +92,8 @@ class BlockStack(nn.Module):
             if trained is not None:  # a zero that requires grad: see SCAN_NEEDS_FIRST_CARRY_GRAD
                 h = h + (trained.flatten()[:1] * 0).sum().to(h.dtype)
 
-        def body(carry: Tensor, slices: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-            return apply(carry, slices), carry.new_zeros(())
+        def body(carry: Tensor, slices: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+            return apply(carry, slices), []  # no per-iteration output: only the carry
 
         out, _ = scan(body, h, stacks)
         return out

@@ -34,6 +34,15 @@ def test_world1_nccl_matches_cpu(backend_kw: dict, group_kw: dict) -> None:
     check(run_ranks(train_case, 1, case, backend="nccl"), steps=case.steps, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend_kw", [{}, {"elide_single_rank": False}])
+def test_world1_nccl_stacked_blocks_match_cpu(backend_kw: dict) -> None:
+    """One BlockStack (NOTE [stacked blocks]): the loop through Inductor's CUDA code, its counter off the
+    C++ path, the body's collectives on NCCL when kept."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    case = Case(model="llama-stacked", device="cuda", steps=6, backend_kw=backend_kw)
+    check(run_ranks(train_case, 1, case, backend="nccl"), steps=case.steps, rtol=1e-4)
+
+
 def test_clip_grad_norm_on_cuda() -> None:
     """ShardGrad on CUDA tensors: foreach norms, the clip, AdamW, with the collectives kept (NCCL)."""
     torch.backends.cuda.matmul.allow_tf32 = False

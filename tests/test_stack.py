@@ -179,14 +179,14 @@ loop body:
 1  all_gather      unit 0  ag                     20928 B
 2  wait            unit 0  ag
 3  unpack          unit 0  ag
-4  compute         pow mean add rsqrt mul mm slice_copy sub _scaled_dot_product_flash_attention_for_cpu neg exp div  (94 nodes)""")
+4  compute         pow mean add rsqrt mul mm slice_copy sub _scaled_dot_product_flash_attention_for_cpu neg exp div  (93 nodes)""")
         self.assertExpectedInline(self._listing(graphs["backward"], labels), """\
 0  compute         mm  (3 nodes)
 1  pack            unit 1  ag
 2  all_gather      unit 1  ag     all_gather      3168 B
 3  wait            unit 1  ag     all_gather
 4  unpack          unit 1  ag
-5  compute         mm mul sum pow div add rev scan ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (61 nodes)
+5  compute         mm mul sum pow div add rev scan ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (59 nodes)
 6  pack            unit 1  rs
 7  reduce_scatter  unit 1  rs     reduce_scatter  6240 B
 8  wait            unit 1  rs     reduce_scatter

@@ -203,6 +203,9 @@ def fully_shard(
     units] in ``module.py``); ``None`` (default) outlines a unit that holds no other unit and shares
     its forward with another one, such as a transformer's blocks. Use ``False`` for a block whose
     forward Dynamo cannot trace whole (a graph break inside it).
+    A :class:`~fsdp_compile.stack.BlockStack` is sharded as one unit whose parameters hold every block's
+    dim-0 shard, and runs its blocks as one loop that gathers one block per iteration (NOTE [stacked
+    blocks] in ``stack.py``).
     Returns ``module`` (sharded in place). Buffers stay replicated; frozen parameters are gathered
     but never reduced.
     """

@@ -134,6 +134,11 @@ def _check_alike(blocks: list[nn.Module]) -> None:
     want = [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in first.named_parameters()]
     if not want:
         raise ValueError("BlockStack: the blocks have no parameters; nothing to stack.")
+    names = [n for n, _ in first.named_parameters(remove_duplicate=False)]
+    if len(names) != len(want):
+        tied = sorted(set(names) - {n for n, *_ in want})
+        raise ValueError(f"BlockStack: a parameter of the blocks is tied to another ({tied[0]}); a stack keeps one "
+                         "tensor per name. Untie it inside the block, or keep the blocks in an nn.ModuleList.")
     buffers = dict(first.named_buffers())
     for i, b in enumerate(blocks[1:], start=1):
         if type(b) is not type(first):

@@ -119,6 +119,10 @@ def test_blocks_one_loop_cannot_stand_for_are_refused() -> None:
     hooked.lin.register_forward_hook(lambda *a: None)
     with pytest.raises(ValueError, match="has hooks"):
         BlockStack([_Other(), hooked])
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="is tied to another"):
+        BlockStack([tied])
     with pytest.raises(TypeError, match="must return a tensor like its first argument"):
         BlockStack([_Shrinks(), _Shrinks()])(torch.randn(2, 4))
 

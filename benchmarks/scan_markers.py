@@ -28,7 +28,7 @@ import argparse
 import contextlib
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -52,38 +52,14 @@ def _fsdp_ops(gm: fx.GraphModule) -> dict[str, list[str]]:
     return out
 
 
-@contextlib.contextmanager
-def tagged_body_unshards() -> Iterator[None]:
-    """``--tag-unshards``: while open, every loop body's joint graph has its ``fsdp::unshard`` nodes
-    tagged must-recompute before torch partitions it, as ``_tag_reshard`` does to our outer joint graph.
-    Patches a private torch class (``HopJointGraph.partition``): an experiment for the scan design."""
-    from torch._higher_order_ops.partitioner import HopJointGraph
-    from torch.utils.checkpoint import CheckpointPolicy
+def tagged_body_unshards() -> Any:
+    """``--tag-unshards``: while open, every loop body's joint graph has its ``fsdp::unshard`` nodes (and
+    the copies of views of them) tagged must-recompute before torch partitions it, which is what the
+    backend now does for a stack's loop (``partition.tag_loop_body``, NOTE [stacked blocks])."""
+    from fsdp_compile._compat import tagging_loop_bodies
+    from fsdp_compile.partition import tag_loop_body
 
-    from fsdp_compile.partition import _AC_GRAPH_ID, _VIEW_OPS
-
-    partition = HopJointGraph.partition
-    aten = torch.ops.aten
-    # A loop body's joint graph is functional: its views are copies (``t_copy``), which the partitioner
-    # would otherwise save in the gathered weight's place.
-    views = set(_VIEW_OPS) | {aten.t_copy.default, aten.view_copy.default, aten.permute_copy.default,
-                              aten.transpose_copy.int, aten.expand_copy.default, aten.slice_copy.Tensor,
-                              aten.alias_copy.default, aten.unsqueeze_copy.default, aten.squeeze_copy.dim}
-
-    def tag_then_partition(self: Any, *args: Any, **kwargs: Any) -> Any:
-        frontier = [n for n in self.joint_gm.graph.nodes if n.target is torch.ops.fsdp.unshard.default]
-        while frontier:
-            node = frontier.pop()
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = _AC_GRAPH_ID
-            frontier += [u for u in node.users if u.target in views and "recompute" not in u.meta]
-        return partition(self, *args, **kwargs)
-
-    HopJointGraph.partition = tag_then_partition
-    try:
-        yield
-    finally:
-        HopJointGraph.partition = partition
+    return tagging_loop_bodies(tag_loop_body)
 
 
 def probe(blocks: int, dim: int, recompute: bool = False, prefetch: bool = False) -> dict[str, Any]:

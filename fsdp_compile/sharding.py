@@ -24,7 +24,7 @@ from .grads import ShardGrad, as_shard_grad
 from .groups import FsdpGroups
 from .module import FsdpModule, forward_of, mix_in
 from .ops import ANONYMOUS_UNIT, shard_rows
-from .stack import BlockStack
+from .stack import BlockStack, shard_stack
 from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of
 
 __all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "local_shard", "unit_of"]
@@ -239,7 +239,7 @@ def fully_shard(
                              "body (NOTE [stacked blocks]); leave outline=None.")
         unit = Unit(index=0, module_ref=weakref.ref(module), groups=groups,
                     reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, outline=False, stacked=True)
-        _shard_stack(module, unit, unit_name)
+        shard_stack(module, unit, unit_name)
         return _register_unit(module, unit, mp_policy)
     # Which (owner, name, param) does this unit take? Everything not managed yet; a param that an
     # earlier unit manages may only appear here behind that unit's parametrization.
@@ -298,40 +298,6 @@ def _register_unit(module: nn.Module, unit: Unit, mp_policy: MixedPrecisionPolic
     _renumber_subunits(module, unit)
     _cast_hooks(module, mp_policy)
     return module
-
-
-def _shard_stack(stack: BlockStack, unit: Unit, unit_name: str) -> None:
-    """Each stacked parameter of ``stack`` (``(blocks, *shape)``) in place as every block's dim-0 shard,
-    ``(blocks, rows, *shape[1:])``, padded per block (NOTE [stacked blocks], NOTE [padding])."""
-    for name, m in stack.named_modules():
-        taken = [n for n, p in m.named_parameters(recurse=False) if p in _params]
-        if taken or parametrize.is_parametrized(m):
-            raise ValueError(
-                f"fully_shard({unit_name}): {name or 'the stack'} already belongs to a unit; a stack is sharded "
-                "as one unit: call fully_shard(stack, groups=groups) alone, not on its block's modules."
-            )
-    stacks = stack.stacked()
-    _check_params(stack, unit_name, [(stack, n, p) for n, p in zip(stack.names, stacks)])
-    groups = unit.groups
-    rank, world = groups.all_gather.rank(), groups.shard_size
-    for name, p in zip(stack.names, stacks):
-        per_block = tuple(p.shape[1:])
-        full = p.detach().reshape(stack.length, *(per_block or (1,)))
-        dim0 = full.shape[1]
-        rows = shard_rows(dim0, world)
-        start, stop = min(rank * rows, dim0), min((rank + 1) * rows, dim0)
-        shard = full.new_zeros(stack.length, rows, *full.shape[2:])
-        shard[:, : stop - start].copy_(full[:, start:stop])
-        p.grad = None
-        p.data = shard
-        # Dim 0 of the shard is the block, so all of it is real (the padding rows of each block, along
-        # dim 1, have zero gradients): its ShardGrad's norms take every row (NOTE [global norms]).
-        sp = ShardedParam(shard=p, full_shape=per_block, local_name=f"block.{name}", unit=unit, sharded=True,
-                          shard_index=rank, real_rows=stack.length)
-        unit.params.append(sp)
-        _params[p] = sp
-        stack.__dict__.setdefault("_fsdp_reads", {})[name] = sp
-        _register_grad_hook(p, _hand_out_global_grads(sp))
 
 
 def class_name(module: nn.Module) -> str:

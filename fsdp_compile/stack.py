@@ -36,9 +36,10 @@ from torch.func import functional_call
 from torch.nn.utils import parametrize
 
 from ._compat import SCAN_NEEDS_FIRST_CARRY_GRAD, scan
-from .units import ShardedParam, _units
+from .ops import shard_rows
+from .units import ShardedParam, Unit, _params, _units
 
-__all__ = ["BlockStack"]
+__all__ = ["BlockStack", "shard_stack"]
 
 
 class BlockStack(nn.Module):
@@ -100,6 +101,43 @@ class BlockStack(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.length} x {type(self.block).__name__}"
+
+
+def shard_stack(stack: BlockStack, unit: Unit, unit_name: str) -> None:
+    """Each stacked parameter of ``stack`` (``(blocks, *shape)``) in place as every block's dim-0 shard,
+    ``(blocks, rows, *shape[1:])``, padded per block (NOTE [stacked blocks], NOTE [padding]), each one a
+    parameter of ``unit``: ``fully_shard``'s part for a stack."""
+    from .sharding import _check_params, _hand_out_global_grads, _register_grad_hook  # (imports this module)
+
+    for name, m in stack.named_modules():
+        taken = [n for n, p in m.named_parameters(recurse=False) if p in _params]
+        if taken or parametrize.is_parametrized(m):
+            raise ValueError(
+                f"fully_shard({unit_name}): {name or 'the stack'} already belongs to a unit; a stack is sharded "
+                "as one unit: call fully_shard(stack, groups=groups) alone, not on its block's modules."
+            )
+    stacks = stack.stacked()
+    _check_params(stack, unit_name, [(stack, n, p) for n, p in zip(stack.names, stacks)])
+    groups = unit.groups
+    rank, world = groups.all_gather.rank(), groups.shard_size
+    for name, p in zip(stack.names, stacks):
+        per_block = tuple(p.shape[1:])
+        full = p.detach().reshape(stack.length, *(per_block or (1,)))
+        dim0 = full.shape[1]
+        rows = shard_rows(dim0, world)
+        start, stop = min(rank * rows, dim0), min((rank + 1) * rows, dim0)
+        shard = full.new_zeros(stack.length, rows, *full.shape[2:])
+        shard[:, : stop - start].copy_(full[:, start:stop])
+        p.grad = None
+        p.data = shard
+        # Dim 0 of the shard is the block, so all of it is real (the padding rows of each block, along
+        # dim 1, have zero gradients): its ShardGrad's norms take every row (NOTE [global norms]).
+        sp = ShardedParam(shard=p, full_shape=per_block, local_name=f"block.{name}", unit=unit, sharded=True,
+                          shard_index=rank, real_rows=stack.length)
+        unit.params.append(sp)
+        _params[p] = sp
+        stack.__dict__.setdefault("_fsdp_reads", {})[name] = sp
+        _register_grad_hook(p, _hand_out_global_grads(sp))
 
 
 def _read(sp: ShardedParam | None, x: Tensor) -> Tensor:

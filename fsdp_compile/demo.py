@@ -21,6 +21,7 @@ from .groups import FsdpGroups
 from .launch import run_ranks
 from .models import PRESETS, Transformer, loss_fn
 from .sharding import MixedPrecisionPolicy, fully_shard, unit_of
+from .stack import BlockStack
 
 __all__ = ["DemoArgs", "add_arguments", "main", "train"]
 
@@ -37,6 +38,7 @@ class DemoArgs:
     dedicated: str = "reduce_scatter"
     bf16: bool = False
     inductor: bool = True
+    stack: bool = False
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 params for compute (fp32 shards)")
     p.add_argument("--no-inductor", dest="inductor", action="store_false",
                    help="run the scheduled graphs without Inductor (debugging)")
+    p.add_argument("--stack", action="store_true",
+                   help="the blocks as one BlockStack: compiled as one loop (NOTE [stacked blocks])")
 
 
 def synthetic_batch(gen: torch.Generator, batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +76,9 @@ def train(rank: int, world: int, args: DemoArgs) -> list[float]:
     with torch.device(device):
         model = Transformer(cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
-    for block in model.layers:
+    if args.stack:
+        model.layers = BlockStack(model.layers)  # type: ignore[assignment]
+    for block in [model.layers] if args.stack else model.layers:
         fully_shard(block, groups=groups, mp_policy=mp)
     fully_shard(model, groups=groups, mp_policy=mp)
     compiled = torch.compile(model, backend=make_backend(inductor=args.inductor))
@@ -121,7 +127,9 @@ def train(rank: int, world: int, args: DemoArgs) -> list[float]:
 
 
 def _full_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
-    return [sp.full_shape for m in model.modules() if (u := unit_of(m)) for sp in u.params]
+    """Every managed parameter's full shape; a stack's stands for all its blocks: ``(blocks, *shape)``."""
+    return [(m.length, *sp.full_shape) if u.stacked else sp.full_shape  # type: ignore[attr-defined]
+            for m in model.modules() if (u := unit_of(m)) for sp in u.params]
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ Numerics on gloo with 2 ranks against a single-process reference are in tests/te
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from typing import Any
 
@@ -305,3 +306,14 @@ def test_a_warm_start_loads_the_loop_and_a_different_body_compiles_again() -> No
         assert _cached_step(groups) == {"hit": 1}
         # Only the body differs (its norm's epsilon): the key must see inside the loop.
         assert _cached_step(groups, CFG.with_(norm_eps=1e-3)) == {"miss": 1, "saved": 1}
+
+
+def test_the_demo_trains_the_same_with_its_blocks_stacked() -> None:
+    """``python -m fsdp_compile demo --stack``: 2 gloo ranks, Inductor, the same losses as the outlined demo."""
+    from fsdp_compile.demo import DemoArgs, train
+    from fsdp_compile.launch import run_ranks
+
+    args = DemoArgs(preset="tiny", steps=3, batch=2, seq=16)
+    outlined = run_ranks(train, 2, args, timeout=600)[0]
+    stacked = run_ranks(train, 2, dataclasses.replace(args, stack=True), timeout=600)[0]
+    torch.testing.assert_close(torch.tensor(stacked), torch.tensor(outlined), rtol=1e-5, atol=0)

@@ -149,9 +149,10 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.tok_embeddings(tokens)
         if isinstance(self.layers, BlockStack):  # one loop (NOTE [stacked blocks])
-            return self.output(self.norm(self.layers(x, self.rope_cos, self.rope_sin)))
-        for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = self.layers(x, self.rope_cos, self.rope_sin)
+        else:
+            for layer in self.layers:
+                x = layer(x, self.rope_cos, self.rope_sin)
         return self.output(self.norm(x))
 
 

@@ -8,7 +8,8 @@
 #   step     full training step (AdamW), outlined against stacked, 16 blocks, 3 alternated rounds;
 #   bound    the same at a GPU-bound shape: 4 x D=4096, 2x2048 tokens.
 # Usage: bash benchmarks/h200_stacked.sh OUT [part]   (part: smoke, compile, warm, kernels, step, profile
-# (kernels and step), bound, late (warm and bound); default all)
+# (kernels and step), bound, late (warm and bound), peers (the default's step beside SimpleFSDP and
+# FSDP2 + compile, 16 blocks), cudatest (tests/test_cuda.py's stacked test); default all)
 set -uo pipefail
 OUT=${1:-out}
 PART=${2:-all}
@@ -44,4 +45,12 @@ if [[ $PART == all || $PART == bound || $PART == late ]]; then
   timeout 300 python3 -m benchmarks.step_time --preset gpu-llama-4096 --spawn 1 --rounds 3 --no-png \
     --profile-steps 0 --variants fsdp-compile-keep,fsdp-compile-keep-stacked \
     --json "$OUT/step_time-gpu-llama-4096-stacked-w1.json" 2>&1 | quiet | tail -8
+fi
+if [[ $PART == cudatest ]]; then
+  timeout 300 python3 -m pytest -q -x tests/test_cuda.py -k stacked 2>&1 | tail -15
+fi
+if [[ $PART == peers ]]; then
+  timeout 330 python3 -m benchmarks.step_time --preset gpu-llama-1024 --layers 16 --spawn 1 --rounds 3 --no-png \
+    --profile-steps 0 --variants fsdp-compile,simplefsdp,fsdp2-compile \
+    --json "$OUT/step_time-gpu-llama-1024-L16-peers-w1-stop22.json" 2>&1 | quiet | tail -8
 fi

@@ -89,6 +89,42 @@ def tag_loop_body(joint: fx.GraphModule) -> None:
     on each loop body's joint graph before torch partitions it (``tagging_loop_bodies``), so that the
     loop's forward keeps each block's shard, not its gathered parameters, and its backward gathers again."""
     _tag_reshard(joint, _VIEW_OPS | _VIEW_COPY_OPS)
+    _seedless_attention(joint)
+
+
+def _seedless_attention(joint: fx.GraphModule) -> None:
+    """NOTE [attention seeds in a loop]: CUDA's memory-efficient attention returns its dropout seed and
+    offset as CPU scalars while its fake kernel says they live on the GPU. Inline that does not matter:
+    nothing but the attention's backward reads them. In a loop body they are saved for backward, so
+    the loop stacks them into a GPU buffer with a Triton copy that reads the CPU scalar and fails
+    ("Pointer argument cannot be accessed from Triton"). Without dropout the seed is never read, so
+    the backward gets a CPU zero made in place (must-recompute: never saved) instead; with dropout the
+    loop cannot carry the seed, and the compile stops with the fix."""
+    target = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    for attention in joint.graph.find_nodes(op="call_function", target=target):
+        dropout = attention.args[5] if len(attention.args) > 5 else attention.kwargs.get("dropout_p", 0.0)
+        seeds = [u for u in attention.users if u.target is operator.getitem and u.args[1] in (2, 3)]
+        if not any(seed.users for seed in seeds):
+            continue
+        if dropout != 0.0:
+            raise ValueError(
+                "a stacked block (BlockStack) runs CUDA's memory-efficient attention with dropout, whose random "
+                "seed a loop cannot carry to backward: set the attention's dropout to 0 in the stacked blocks, "
+                "or shard the blocks one by one instead of as a BlockStack"
+            )
+        for seed in seeds:
+            first = min(seed.users, key=lambda n: list(joint.graph.nodes).index(n))
+            with joint.graph.inserting_before(first):
+                zero = joint.graph.call_function(
+                    torch.ops.aten.zeros.default, ([],), {"dtype": torch.int64, "device": torch.device("cpu")}
+                )
+            with seed.meta["val"].fake_mode:
+                zero.meta["val"] = torch.zeros((), dtype=torch.int64, device="cpu")
+            zero.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            zero.meta["ac_graph_id"] = _AC_GRAPH_ID
+            seed.replace_all_uses_with(zero)
+            joint.graph.erase_node(seed)
+    joint.recompile()
 
 
 def _read_passed_through_inputs(joint: fx.GraphModule) -> None:

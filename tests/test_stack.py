@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache, run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend, set_requires_gradient_sync
 from fsdp_compile.backend import observe_graphs
@@ -274,6 +276,43 @@ def test_loop_bodies_pass_runs_each_pass_in_each_body_only() -> None:
     assert len(bodies) == 1 and bodies[0] is not gm
     assert loop_bodies_pass(gm, passes=[note, note]) is gm
     assert seen == [bodies[0], bodies[0]]
+
+
+def _efficient_attention_step(dropout: float) -> torch.fx.GraphModule:
+    """An attention forward and backward as a loop body's joint graph holds them (CUDA's kernel; traced
+    with fake tensors, so no GPU is needed)."""
+    aten = torch.ops.aten
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> Any:
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout)
+        return aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k, v, None, out, lse, seed, offset, dropout, [True, True, True, False]
+        )
+
+    return make_fx(step, tracing_mode="fake")(*[torch.randn(1, 2, 8, 4) for _ in range(4)])
+
+
+def test_a_loop_body_does_not_carry_the_attention_seed_to_backward() -> None:
+    """NOTE [attention seeds in a loop]: without dropout, the backward reads a CPU zero made in place of
+    the seed and offset (never saved: the loop would stack them with a GPU copy of a CPU scalar); with
+    dropout the compile stops with the fix."""
+    from fsdp_compile.partition import tag_loop_body
+
+    joint = _efficient_attention_step(0.0)
+    tag_loop_body(joint)
+    (backward,) = joint.graph.find_nodes(
+        op="call_function", target=torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    )
+    seeds = backward.args[7:9]
+    assert [s.target for s in seeds] == [torch.ops.aten.zeros.default] * 2  # type: ignore[union-attr]
+    assert all(s.kwargs["device"] == torch.device("cpu") for s in seeds)  # type: ignore[union-attr]
+    assert all(s.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE for s in seeds)  # type: ignore[union-attr]
+    (forward,) = joint.graph.find_nodes(
+        op="call_function", target=torch.ops.aten._scaled_dot_product_efficient_attention.default
+    )
+    assert sorted(u.args[1] for u in forward.users) == [0, 1]
+    with pytest.raises(ValueError, match="set the attention's dropout to 0"):
+        tag_loop_body(_efficient_attention_step(0.1))
 
 
 # --- Warm start (NOTE [caching loops]) ---

@@ -363,12 +363,47 @@ def _loop_counter_ops() -> list[Any]:
 
     for op, dtype in ((start, torch.int64), (below, torch.bool), (step, torch.int64)):
         op.register_fake(lambda *args, dtype=dtype: torch.empty((), dtype=dtype, device="cpu"))
+
+    @torch.library.custom_op("fsdp_loop::countdown", mutates_args=(), schema="(Tensor like, int n) -> Tensor")
+    def countdown(like: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.arange(n - 1, -1, -1, dtype=torch.int64)
+
+    countdown.register_fake(lambda like, n: torch.empty((n,), dtype=torch.int64, device="cpu"))
     ops = torch.ops.fsdp_loop
-    _LOOP_COUNTER_OPS.extend([ops.start.default, ops.below.default, ops.next.default])
+    _LOOP_COUNTER_OPS.extend([ops.start.default, ops.below.default, ops.next.default, ops.countdown.default])
     return _LOOP_COUNTER_OPS
 
 
 _loop_counter_ops()
+
+
+def loop_countdown(like: torch.Tensor, n: int) -> torch.Tensor:
+    """``n - 1, ..., 0`` as a CPU int64 tensor, through ``fsdp_loop::countdown`` (an op that Inductor
+    calls as it is, so no C++ is compiled for it: NOTE [loop counters off the C++ path])."""
+    return _loop_counter_ops()[3](like, n)
+
+
+@contextlib.contextmanager
+def loop_backwards_in_place(backward: Callable[..., Any]) -> Iterator[None]:
+    """Within the context, a scan's backward is ``backward(impl, *grads)`` instead of torch's
+    ``ScanAutogradImpl.call_backward`` (same signature in torch 2.11 and 2.13): NOTE [a loop's backward
+    in place] in ``loop_backward.py``. Its ``.item()`` of the block number needs a fake mode that allows
+    scalar outputs, as the decomposition of a loop does (:func:`host_loop_counters`)."""
+    from torch._higher_order_ops.scan import ScanAutogradImpl
+
+    original = ScanAutogradImpl.call_backward
+
+    def call_backward(self: Any, *grads: Any) -> Any:
+        with _scalar_outputs(torch._guards.detect_fake_mode()):
+            return backward(self, *grads)
+
+    ScanAutogradImpl.call_backward = call_backward
+    try:
+        with _body_symbols_stay_inside():
+            yield
+    finally:
+        ScanAutogradImpl.call_backward = original
+
 
 # NOTE [caching loops]: torch marks ``scan`` and ``while_loop`` uncacheable, so a graph holding a stack's
 # loop would compile afresh at every process start. Their bodies are graph modules of the graph being
@@ -387,7 +422,7 @@ def _host_scalar(node: Any) -> bool:
 def rewrite_loop_counters(gm: Any) -> None:
     """A decomposed loop's host counter (``aten.full([], 0)``, ``lt.Scalar``, ``add(i, 1)``) as our
     ops, in ``gm`` and the loop bodies it holds (NOTE [loop counters off the C++ path])."""
-    start, below, step = _loop_counter_ops()
+    start, below, step, _ = _loop_counter_ops()
     aten = torch.ops.aten
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), torch.fx.GraphModule):
@@ -406,30 +441,70 @@ def rewrite_loop_counters(gm: Any) -> None:
 
 
 @contextlib.contextmanager
-def host_loop_counters() -> Iterator[None]:
+def host_loop_counters(example_inputs: Any = ()) -> Iterator[None]:
     """Within the context, Inductor's scan decomposition runs whether Dynamo traced the whole graph or
-    not, and is followed by :func:`rewrite_loop_counters` (NOTE [loop counters off the C++ path])."""
+    not, and is followed by :func:`rewrite_loop_counters` (NOTE [loop counters off the C++ path]).
+    The decomposition reads the counter with ``.item()`` while tracing the loop body, and a stack's
+    backward loop reads its block number so (NOTE [a loop's backward in place]) wherever Inductor runs
+    the loop on fake tensors; a fake mode allows that only where Dynamo traced with ``fullgraph=True``
+    (its shape environment's ``allow_scalar_outputs``) or the mode itself says so. The fake mode of
+    ``example_inputs`` says so for the whole context, and any other for the decomposition."""
     import torch._inductor.fx_passes.post_grad as post_grad
 
     decompose = post_grad.decompose_scan_to_while_loop
 
     def decompose_then_rewrite(gm: Any) -> None:
-        # The decomposition reads the counter with ``.item()`` while tracing the loop body, which a fake
-        # mode allows only where Dynamo traced with ``fullgraph=True`` (its shape environment's
-        # ``allow_scalar_outputs``) or the mode itself says so; the counter is ours either way.
-        mode = torch._guards.detect_fake_mode()
-        allowed = getattr(mode, "allow_scalar_outputs", None)
-        if allowed is not None:
-            mode.allow_scalar_outputs = True
-        try:
+        with _scalar_outputs(torch._guards.detect_fake_mode()):
             decompose(gm)
-        finally:
-            if allowed is not None:
-                mode.allow_scalar_outputs = allowed
         rewrite_loop_counters(gm)
 
     post_grad.decompose_scan_to_while_loop = decompose_then_rewrite
     try:
-        yield
+        with _scalar_outputs(torch._guards.detect_fake_mode(list(example_inputs))), _body_symbols_stay_inside():
+            yield
     finally:
         post_grad.decompose_scan_to_while_loop = decompose
+
+
+# Torch 2.11 runs a scan's body on fake tensors (its fake kernel) so that a symbol made by an ``.item()``
+# in the body, such as a backward loop's block number (NOTE [a loop's backward in place]), counts as
+# made by the scan and must then be among its outputs' shapes ("Pending unbacked symbols {u3} not in
+# returned outputs", in Inductor's fake propagation). 2.13 keeps such symbols inside the body.
+SCAN_FAKE_LEAKS_BODY_SYMBOLS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+@contextlib.contextmanager
+def _body_symbols_stay_inside() -> Iterator[None]:
+    """Within the context, on torch 2.11, a scan's fake kernel runs its body with the shape
+    environment ignoring the symbols the body makes (:data:`SCAN_FAKE_LEAKS_BODY_SYMBOLS`)."""
+    if not SCAN_FAKE_LEAKS_BODY_SYMBOLS:
+        yield
+        return
+    from torch._higher_order_ops.scan import scan_op
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    original = scan_op.python_key_table[FakeTensorMode]
+
+    def fake_scan(mode: Any, *args: Any) -> Any:
+        quiet = mode.shape_env.ignore_fresh_unbacked_symbols() if mode.shape_env else contextlib.nullcontext()
+        with quiet:
+            return original(mode, *args)
+
+    scan_op.python_key_table[FakeTensorMode] = fake_scan
+    try:
+        yield
+    finally:
+        scan_op.python_key_table[FakeTensorMode] = original
+
+
+@contextlib.contextmanager
+def _scalar_outputs(mode: Any) -> Iterator[None]:
+    """Within the context, fake ``mode`` (if any) lets ``.item()`` make an unbacked symbol."""
+    allowed = getattr(mode, "allow_scalar_outputs", None)
+    if allowed is not None:
+        mode.allow_scalar_outputs = True
+    try:
+        yield
+    finally:
+        if allowed is not None:
+            mode.allow_scalar_outputs = allowed

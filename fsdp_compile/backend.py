@@ -57,6 +57,7 @@ from ._compat import (
     inductor_config_patch,
     inductor_pre_grad_passes,
     keep_output_strides,
+    loop_backwards_in_place,
     lowering_outlined_bodies,
     make_boxed_func,
     region_schemas_once,
@@ -70,6 +71,7 @@ from .autotune import Choice
 from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule, schedule_logged
+from .loop_backward import backward_in_place
 from .module import OUTLINES
 from .partition import partition, tag_loop_body
 from .regions import outer_markers
@@ -238,7 +240,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
     calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
     patches = {"reorder_for_peak_memory": False} if options.pin_order or calls else {}
     loops = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)
-    counters = host_loop_counters() if loops else contextlib.nullcontext()  # NOTE [loop counters off the C++ path]
+    counters = host_loop_counters(example_inputs) if loops else contextlib.nullcontext()  # NOTE [loop counters off the C++ path]
     if loops:
         patches.update(CACHEABLE_LOOPS)  # NOTE [caching loops]: AOTAutograd may compile a backward lazily
     with inductor_config_patch(patches), lowering_outlined_bodies(), counters:  # NOTE [donated subgraph inputs]
@@ -354,7 +356,8 @@ def make_backend(
         loops = cached and bool(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan))
         cacheable_loops = inductor_config_patch(CACHEABLE_LOOPS) if loops else contextlib.nullcontext()
         # NOTE [stacked blocks], NOTE [caching loops]
-        with region_schemas_once(), tagging_loop_bodies(tag_loop_body), cacheable_loops:
+        with region_schemas_once(), tagging_loop_bodies(tag_loop_body), cacheable_loops, \
+                loop_backwards_in_place(backward_in_place):  # NOTE [a loop's backward in place]
             compiled = (aot_cached if cached else aot_uncached)(gm, example_inputs)
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 

@@ -180,7 +180,7 @@ class StackSchedule(FakeWorldTestCase):
 1  all_gather      unit 1  ag     all_gather      6240 B
 2  wait            unit 1  ag     all_gather
 3  unpack          unit 1  ag
-4  compute         embedding scan pow mean add rsqrt mul mm rev  (47 nodes)
+4  compute         embedding scan pow mean add rsqrt mul mm  (30 nodes)
 loop body:
 0  pack            unit 0  ag
 1  all_gather      unit 0  ag                     20928 B
@@ -193,13 +193,13 @@ loop body:
 2  all_gather      unit 1  ag     all_gather      3168 B
 3  wait            unit 1  ag     all_gather
 4  unpack          unit 1  ag
-5  compute         mm mul sum pow div add rev scan ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (59 nodes)
+5  compute         mm mul sum pow div add countdown scan rev ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (51 nodes)
 6  pack            unit 1  rs
 7  reduce_scatter  unit 1  rs     reduce_scatter  6240 B
 8  wait            unit 1  rs     reduce_scatter
 9  unpack          unit 1  rs
 loop body:
-0  compute         mm  (6 nodes)
+0  compute         _local_scalar_dense ge _assert_scalar le lt mm  (39 nodes)
 1  pack            unit 0  ag
 2  all_gather      unit 0  ag                     20928 B
 3  wait            unit 0  ag

@@ -220,6 +220,27 @@ loop body:
         assert not saved & {(n, d, d), (n, f, d), (n, d, f)}, saved
         assert {(n, d // 2, d), (n, f // 2, d), (n, d // 2, f)} <= saved  # each block's shards
 
+    def test_the_backward_loop_reads_each_blocks_saved_values_in_place(self) -> None:
+        """NOTE [a loop's backward in place]: nothing the forward saves is reversed (torch's own scan
+        backward flips each saved stack); the backward loop runs over the block numbers from the last
+        down and views each saved stack's row, and only the shards' gradients are flipped, once."""
+        graphs, _ = self._graphs()
+        flips = {torch.ops.aten.flip.default, torch.ops.prims.rev.default}
+
+        def count(gm: Any, targets: set[Any]) -> int:
+            return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+        assert count(graphs["forward"], flips) == 0
+        backward = graphs["backward"]
+        assert count(backward, flips) == len(_stacked().layers.names)  # the gradient of each shard stack
+        assert count(backward, {torch.ops.fsdp_loop.countdown.default}) == 1
+        (body,) = loop_bodies(backward)
+        assert count(body, flips) == 0
+        assert count(body, {torch.ops.aten._local_scalar_dense.default}) == 1  # the block number, on the host
+        rows = [n for n in body.graph.nodes if n.target is torch.ops.aten.select.int
+                and n.args[0].op == "placeholder" and isinstance(n.args[2], torch.fx.Node)]
+        assert len(rows) > len(_stacked().layers.names)  # every saved stack, shards included
+
     def test_inductor_keeps_the_bodys_collectives_in_order(self) -> None:
         """The order in Inductor's code, of the loop body's function and of the graph around the loop,
         is the scheduled FX graphs' (NOTE [pinning the schedule])."""

@@ -38,6 +38,7 @@ from torch import fx, nn
 
 from passes import NamedPass, run_passes
 from passes.absorb import absorb_copies_pass
+from passes.body_views import body_views_pass
 from passes.bucket import bucket_pass
 from passes.loops import loop_bodies_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
@@ -181,8 +182,10 @@ def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.G
     """All passes, in order; ``"auto"`` settings resolved on the bucketed graph with the cost model."""
     skip, diff = options.disabled_passes, options.log_pass_diffs
     lowering = _lowering(options)
-    # A stack's markers are in its loop body (NOTE [stacked blocks]): lowered and bucketed there, once.
-    gm = loop_bodies_pass(gm, passes=[p.fn for p in lowering if p.name not in skip])
+    # A stack's markers are in its loop body (NOTE [stacked blocks]): lowered and bucketed there, once;
+    # and there its view copies become views (NOTE [views in loop bodies]).
+    in_bodies = [p.fn for p in lowering if p.name not in skip]
+    gm = loop_bodies_pass(gm, passes=in_bodies + ([] if "body_views" in skip else [body_views_pass]))
     gm = run_passes(gm, lowering, disabled=skip, log_diff=diff, allow_unknown=True)
     if options.uses_cost_model():
         choice = autotune.choose(gm, hw, prefetch=options.prefetch, prefetch_bytes=options.prefetch_bytes,

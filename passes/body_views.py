@@ -12,6 +12,11 @@ AOTAutograd's decompositions turn some of those copies into a ``clone`` of a vie
 sees the body: each weight a matmul reads transposed becomes ``clone(permute(w))``, a copy of the
 gathered weight in every iteration (7 in a Llama block's forward and 14 in its backward). A matmul
 reads a transposed operand as it is, so a clone of a view that only matmuls read is dropped too.
+The backward body also transposes, copies and transposes back: a weight ``w`` reaches its matmul as
+``permute(clone(permute(w)))``, and a weight's gradient reaches the reduce-scatter's pack as
+``clone(permute(clone(permute(mm(...)))))``. A transpose of a copy of a transpose that undoes it is
+the original tensor, and a contiguous copy of a contiguous result that only a matmul or the pack reads
+is that result: three copies the size of each weight, per iteration, gone.
 
 Before (a loop body)::
 
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+
+from .copies import pack_rows
 
 __all__ = ["VIEW_OF_COPY", "body_views_pass"]
 
@@ -53,6 +60,28 @@ VIEW_OF_COPY = {
 
 _VIEWS = set(VIEW_OF_COPY.values()) | {aten._unsafe_view.default, aten.reshape.default}
 _MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default}
+_READERS = _MATMULS | {pack_rows._opoverload}  # read their inputs, never mutate or keep them
+
+
+def _dims(node: fx.Node) -> list[int] | None:
+    """The permutation a transposing view applies, or ``None`` for any other node."""
+    if node.op != "call_function":
+        return None
+    ndim = node.meta["val"].dim() if isinstance(node.meta.get("val"), torch.Tensor) else None
+    if node.target is aten.permute.default:
+        return [d % len(node.args[1]) for d in node.args[1]]  # type: ignore[arg-type]
+    if node.target is aten.t.default and ndim == 2:
+        return [1, 0]
+    if node.target is aten.transpose.int and ndim is not None:
+        dims, (a, b) = list(range(ndim)), (node.args[1] % ndim, node.args[2] % ndim)  # type: ignore[operator]
+        dims[a], dims[b] = dims[b], dims[a]
+        return dims
+    return None
+
+
+def _copy_of(node: object) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.clone.default
+            and node.kwargs.get("memory_format", torch.contiguous_format) == torch.contiguous_format)
 
 
 def _value(arg: object) -> object:
@@ -72,17 +101,39 @@ def body_views_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         node.target = view
         _revalue(node)
+    for node in list(gm.graph.nodes):  # a transpose of a copy of the transpose it undoes: the original
+        outer = _dims(node)
+        copy = node.args[0] if outer is not None else None
+        if not _copy_of(copy) or node in returned:
+            continue
+        inner_node = copy.args[0]  # type: ignore[union-attr]
+        inner = _dims(inner_node) if isinstance(inner_node, fx.Node) else None
+        if inner is not None and len(inner) == len(outer) and all(inner[outer[i]] == i for i in range(len(outer))):
+            node.replace_all_uses_with(inner_node.args[0])  # type: ignore[union-attr]
+            for dead in (node, copy, inner_node):  # only these: a wait's result may go unused
+                if not dead.users:  # type: ignore[union-attr]
+                    gm.graph.erase_node(dead)  # type: ignore[arg-type]
     for node in list(gm.graph.nodes):
-        if (node.op == "call_function" and node.target is aten.clone.default
-                and node.kwargs.get("memory_format", torch.contiguous_format) == torch.contiguous_format
-                and node not in returned and isinstance(node.args[0], fx.Node)
-                and node.args[0].target in _VIEWS and node.users
-                and all(user.target in _MATMULS for user in node.users)):
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
+        if not _copy_of(node) or node in returned or not node.users or not isinstance(node.args[0], fx.Node):
+            continue
+        source = node.args[0]
+        if source.target in _VIEWS and all(user.target in _MATMULS for user in node.users):
+            node.replace_all_uses_with(source)  # a matmul reads the view as it is
+        elif (source.op == "call_function" and source.target not in _VIEWS and _contiguous(source)
+              and all(user.target in _READERS for user in node.users)
+              and all(user.target in _READERS or user is node for user in source.users)):
+            node.replace_all_uses_with(source)  # a contiguous copy of a contiguous result, read only
+        else:
+            continue
+        gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _contiguous(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
 
 
 def _revalue(node: fx.Node) -> None:

@@ -21,6 +21,17 @@ def _body(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return halves + 1, kept, both + 1
 
 
+def _backward_body(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As a loop's backward body holds them: a weight transposed, copied and transposed back for its
+    matmul, and a weight gradient transposed and copied twice on its way to the reduce-scatter's pack."""
+    from passes.copies import pack_rows
+
+    dx = aten.mm(dy, aten.permute(aten.clone(aten.permute(w, [1, 0])), [1, 0]))
+    grad = aten.mm(aten.permute(dy, [1, 0]), x)
+    twice = aten.clone(aten.permute(aten.clone(aten.permute(grad, [1, 0])), [1, 0]))
+    return dx, pack_rows([twice], 2, torch.float32)
+
+
 def _targets(gm: torch.fx.GraphModule) -> list[object]:
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -40,4 +51,18 @@ def test_a_loop_bodys_view_copies_become_views_and_its_returned_copies_stay() ->
     (select,) = [n for n in gm.graph.nodes if n.target is aten.select.int]
     assert select.meta["val"].stride() == (4, 2)  # a view's strides, not a copy's
     for got, want in zip(gm(x, w), _body(x, w)):
+        torch.testing.assert_close(got, want)
+
+
+def test_transposes_that_undo_each_other_and_copies_before_the_pack_go() -> None:
+    w, x, dy = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5, 3)
+    gm = make_fx(_backward_body, tracing_mode="fake")(w, x, dy)
+    assert _targets(gm).count(aten.clone.default) == 3
+    body_views_pass(gm)
+    assert aten.clone.default not in _targets(gm)
+    first, second = [n for n in gm.graph.nodes if n.target is aten.mm.default]
+    assert first.args[1].op == "placeholder"  # the weight itself
+    (pack,) = [n for n in gm.graph.nodes if n.target is torch.ops.fsdp.pack_rows.default]
+    assert pack.args[0] == [second]  # the gradient as the matmul made it
+    for got, want in zip(gm(w, x, dy), _backward_body(w, x, dy)):
         torch.testing.assert_close(got, want)

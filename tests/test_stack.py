@@ -199,12 +199,12 @@ loop body:
 8  wait            unit 1  rs     reduce_scatter
 9  unpack          unit 1  rs
 loop body:
-0  compute         _local_scalar_dense ge _assert_scalar le lt mm  (38 nodes)
+0  compute         _local_scalar_dense ge _assert_scalar le lt mm  (36 nodes)
 1  pack            unit 0  ag
 2  all_gather      unit 0  ag                     20928 B
 3  wait            unit 0  ag
 4  unpack          unit 0  ag
-5  compute         mm neg exp add div mul sigmoid sub sum pow _scaled_dot_product_flash_attention_for_cpu_backward slice_scatter  (178 nodes)
+5  compute         mm neg exp add div mul sigmoid sub sum pow _scaled_dot_product_flash_attention_for_cpu_backward slice_scatter  (131 nodes)
 6  pack            unit 0  rs
 7  reduce_scatter  unit 0  rs                     20928 B
 8  wait            unit 0  rs

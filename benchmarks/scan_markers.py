@@ -56,7 +56,7 @@ def tagged_body_unshards() -> Any:
     """``--tag-unshards``: while open, every loop body's joint graph has its ``fsdp::unshard`` nodes (and
     the copies of views of them) tagged must-recompute before torch partitions it, which is what the
     backend now does for a stack's loop (``partition.tag_loop_body``, NOTE [stacked blocks])."""
-    from fsdp_compile._compat import tagging_loop_bodies
+    from fsdp_compile._compat_loops import tagging_loop_bodies
     from fsdp_compile.partition import tag_loop_body
 
     return tagging_loop_bodies(tag_loop_body)

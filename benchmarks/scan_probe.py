@@ -32,7 +32,7 @@ Scalar counters need neither the probes nor the header. ``--lean-cpp`` (GPU only
 ``--host-counters`` goes further: after torch's decomposition it swaps the counter's three scalar ops
 (start at zero, compare with the length, add one) for ops that Inductor calls as they are instead of
 generating C++, so a GPU model's scan compiles no C++ at all. fsdp-compile's backend now does the same
-for a stack's loop (NOTE [loop counters off the C++ path] in ``fsdp_compile/_compat.py``); the flag
+for a stack's loop (NOTE [loop counters off the C++ path] in ``fsdp_compile/_compat_loops.py``); the flag
 applies that to plain ``torch.compile``.
 """
 
@@ -109,8 +109,8 @@ def _stack(layers: int, dim: int, heads: int, vocab: int, mode: str, ranks: int 
 
 def host_counters() -> Any:
     """``--host-counters`` (module docstring): fsdp-compile's own swap of the loop counter
-    (``host_loop_counters``, NOTE [loop counters off the C++ path] in ``fsdp_compile/_compat.py``)."""
-    from fsdp_compile._compat import host_loop_counters
+    (``host_loop_counters``, NOTE [loop counters off the C++ path] in ``fsdp_compile/_compat_loops.py``)."""
+    from fsdp_compile._compat_loops import host_loop_counters
 
     return host_loop_counters()
 

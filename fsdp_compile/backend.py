@@ -50,24 +50,21 @@ from passes.streams import check_streams, streams_pass
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
 from . import agreement, autotune, cache, lockstep
 from ._compat import (
-    CACHEABLE_LOOPS,
     aot_autograd,
     compile_fx_inner,
     forward_user_outputs,
-    host_loop_counters,
     inductor_config_patch,
     inductor_pre_grad_passes,
     keep_output_strides,
-    loop_backwards_in_place,
     lowering_outlined_bodies,
     make_boxed_func,
     region_schemas_once,
     resolve_group,
     select_decomp_table,
     serializable,
-    tagging_loop_bodies,
     timed,
 )
+from ._compat_loops import CACHEABLE_LOOPS, host_loop_counters, loop_backwards_in_place, tagging_loop_bodies
 from .autotune import Choice
 from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report

@@ -45,7 +45,7 @@ def backward_in_place(impl: Any, *grad_outputs: Any) -> tuple[Any, ...]:
     from torch._higher_order_ops.scan import scan_op
     from torch._higher_order_ops.utils import materialize_as_graph
 
-    from ._compat import loop_countdown
+    from ._compat_loops import loop_countdown
 
     n_carry, n_xs = len(impl.init), len(impl.xs)
     length = impl.xs[0].shape[0]

@@ -13,7 +13,7 @@ block's slice through ``fsdp::unshard``, so each iteration gathers its block, an
 reduce-scatters the block's gradients (both lowered inside the loop body by ``passes/loops.py``). As
 torch partitions a loop body, it would keep every block's gathered parameters from forward to
 backward; the backend tags the body's unshards must-recompute first (``tagging_loop_bodies`` in
-``_compat.py``), so the forward keeps the shards and the backward gathers again, as resharding after
+``_compat_loops.py``), so the forward keeps the shards and the backward gathers again, as resharding after
 forward does elsewhere.
 
 What a stack gives up against outlined blocks: a loop iteration cannot leave a collective in flight
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
-from ._compat import SCAN_NEEDS_FIRST_CARRY_GRAD, scan
+from ._compat_loops import SCAN_NEEDS_FIRST_CARRY_GRAD, scan
 from .ops import shard_rows
 from .units import ShardedParam, Unit, _params, _units
 

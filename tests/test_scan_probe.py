@@ -1,5 +1,5 @@
 """benchmarks.scan_probe's ``--host-counters`` (NOTE [lean C++ for a GPU loop] there), which is the
-backend's own swap (NOTE [loop counters off the C++ path] in fsdp_compile/_compat.py): the decomposed
+backend's own swap (NOTE [loop counters off the C++ path] in fsdp_compile/_compat_loops.py): the decomposed
 scan's counter runs as our ops, in forward and backward, the numbers stay those of the uncompiled loop,
 and the patch of torch's decomposition is undone on leaving."""
 
@@ -12,7 +12,7 @@ import torch
 import torch._inductor.fx_passes.post_grad as post_grad
 
 from benchmarks import scan_probe
-from fsdp_compile import _compat
+from fsdp_compile import _compat_loops
 
 
 def test_option_checks() -> None:
@@ -24,7 +24,7 @@ def test_option_checks() -> None:
 
 def test_host_counters_keep_the_loss_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     rewritten: list[list[str]] = []
-    rewrite = _compat.rewrite_loop_counters
+    rewrite = _compat_loops.rewrite_loop_counters
     depth = [0]
 
     def spy(gm: Any) -> None:  # the rewrite recurses into loop bodies: record the whole graphs only
@@ -41,7 +41,7 @@ def test_host_counters_keep_the_loss_and_gradients(monkeypatch: pytest.MonkeyPat
                 targets += [str(n.target) for n in m.graph.nodes if "fsdp_loop" in str(n.target)]
         rewritten.append(targets)
 
-    monkeypatch.setattr(_compat, "rewrite_loop_counters", spy)
+    monkeypatch.setattr(_compat_loops, "rewrite_loop_counters", spy)
     torch.manual_seed(0)
     model = scan_probe._stack(2, 16, 2, 32, "scan")
     loop = scan_probe._stack(2, 16, 2, 32, "loop")

@@ -74,7 +74,7 @@ def test_a_stack_computes_what_its_blocks_compute(compiled: bool) -> None:
 
 def test_a_carry_that_needs_no_grad_still_gets_every_block_its_gradient() -> None:
     """torch 2.11 drops the carry's gradient when the first carry does not require grad
-    (SCAN_NEEDS_FIRST_CARRY_GRAD in _compat.py): every block but the last would get a wrong gradient."""
+    (SCAN_NEEDS_FIRST_CARRY_GRAD in _compat_loops.py): every block but the last would get a wrong gradient."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
     h = torch.randn(4, 6)  # an input, not an activation: no grad

@@ -112,8 +112,9 @@ def _seedless_attention(joint: fx.GraphModule) -> None:
                 "seed a loop cannot carry to backward: set the attention's dropout to 0 in the stacked blocks, "
                 "or shard the blocks one by one instead of as a BlockStack"
             )
+        order = {node: i for i, node in enumerate(joint.graph.nodes)}
         for seed in seeds:
-            first = min(seed.users, key=lambda n: list(joint.graph.nodes).index(n))
+            first = min(seed.users, key=order.__getitem__)
             with joint.graph.inserting_before(first):
                 zero = joint.graph.call_function(
                     torch.ops.aten.zeros.default, ([],), {"dtype": torch.int64, "device": torch.device("cpu")}

@@ -90,8 +90,9 @@ def _value(arg: object) -> object:
 
 def body_views_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Each view copy in ``gm`` that ``gm`` does not return becomes the view it copies (its value the
-    view's, computed under the graph's fake mode), and each clone of a view that only matmuls read is
-    dropped (NOTE [views in loop bodies])."""
+    view's, computed under the graph's fake mode); a transpose of a copy of the transpose it undoes
+    becomes the original; and a copy that only matmuls (of a view) or readers (of a contiguous result)
+    read is dropped (NOTE [views in loop bodies])."""
     (output,) = gm.graph.find_nodes(op="output")
     returned: set[fx.Node] = set()
     fx.node.map_arg(output.args, returned.add)
@@ -104,8 +105,8 @@ def body_views_pass(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):  # a transpose of a copy of the transpose it undoes: the original
         outer = _dims(node)
         copy = node.args[0] if outer is not None else None
-        if not _copy_of(copy) or node in returned:
-            continue
+        if not _copy_of(copy) or node in returned or any(u.target in _VIEWS for u in node.users):
+            continue  # the original itself must not reach what the body returns through a view
         inner_node = copy.args[0]  # type: ignore[union-attr]
         inner = _dims(inner_node) if isinstance(inner_node, fx.Node) else None
         if inner is not None and len(inner) == len(outer) and all(inner[outer[i]] == i for i in range(len(outer))):

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch._higher_order_ops.scan import scan
 
+# Both loop workarounds below are for torch 2.11 (fixed in 2.13).
+_BEFORE_2_13 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
 __all__ = [
     "CACHEABLE_LOOPS",
     "SCAN_FAKE_LEAKS_BODY_SYMBOLS",
@@ -31,7 +34,7 @@ __all__ = [
 # (every block but the last then gets a wrong weight gradient), fixed by pytorch/pytorch#185332, which is
 # in 2.13 and not in 2.11 (``benchmarks/scan_markers.py``). Where this is set, a stack makes its carry
 # require grad first.
-SCAN_NEEDS_FIRST_CARRY_GRAD = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+SCAN_NEEDS_FIRST_CARRY_GRAD = _BEFORE_2_13
 
 
 @contextlib.contextmanager
@@ -66,7 +69,8 @@ _LOOP_COUNTER_OPS: list[Any] = []
 
 
 def _loop_counter_ops() -> list[Any]:
-    """``fsdp_loop::start``, ``below`` and ``next`` (registered when this module is imported: code that
+    """``fsdp_loop::start``, ``below`` and ``next``, the counter's swaps; ``fsdp_loop::countdown``, a
+    backward loop's block numbers, is registered with them (all when this module is imported: code that
     a warm start loads from Inductor's cache calls them)."""
     if _LOOP_COUNTER_OPS:
         return _LOOP_COUNTER_OPS
@@ -92,7 +96,7 @@ def _loop_counter_ops() -> list[Any]:
 
     countdown.register_fake(lambda like, n: torch.empty((n,), dtype=torch.int64, device="cpu"))
     ops = torch.ops.fsdp_loop
-    _LOOP_COUNTER_OPS.extend([ops.start.default, ops.below.default, ops.next.default, ops.countdown.default])
+    _LOOP_COUNTER_OPS.extend([ops.start.default, ops.below.default, ops.next.default])
     return _LOOP_COUNTER_OPS
 
 
@@ -102,7 +106,7 @@ _loop_counter_ops()
 def loop_countdown(like: torch.Tensor, n: int) -> torch.Tensor:
     """``n - 1, ..., 0`` as a CPU int64 tensor, through ``fsdp_loop::countdown`` (an op that Inductor
     calls as it is, so no C++ is compiled for it: NOTE [loop counters off the C++ path])."""
-    return _loop_counter_ops()[3](like, n)
+    return torch.ops.fsdp_loop.countdown.default(like, n)
 
 
 @contextlib.contextmanager
@@ -144,7 +148,7 @@ def _host_scalar(node: Any) -> bool:
 def rewrite_loop_counters(gm: Any) -> None:
     """A decomposed loop's host counter (``aten.full([], 0)``, ``lt.Scalar``, ``add(i, 1)``) as our
     ops, in ``gm`` and the loop bodies it holds (NOTE [loop counters off the C++ path])."""
-    start, below, step, _ = _loop_counter_ops()
+    start, below, step = _loop_counter_ops()
     aten = torch.ops.aten
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), torch.fx.GraphModule):
@@ -192,7 +196,7 @@ def host_loop_counters(example_inputs: Any = ()) -> Iterator[None]:
 # in the body, such as a backward loop's block number (NOTE [a loop's backward in place]), counts as
 # made by the scan and must then be among its outputs' shapes ("Pending unbacked symbols {u3} not in
 # returned outputs", in Inductor's fake propagation). 2.13 keeps such symbols inside the body.
-SCAN_FAKE_LEAKS_BODY_SYMBOLS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+SCAN_FAKE_LEAKS_BODY_SYMBOLS = _BEFORE_2_13
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "compile": ("plain", {}),
     "fsdp-compile": ("fsdp", {}),  # the default: identical blocks outlined (NOTE [outlined units])
     "fsdp-compile-whole": ("fsdp", {"outline": False}),  # one whole-model graph, every block inline
-    "fsdp-compile-stacked": ("stacked", {}),  # the blocks as one BlockStack: one loop (NOTE [stacked blocks])
+    "fsdp-compile-stacked": ("stacked", {}),  # the blocks as one BlockStack: traced once (NOTE [stacked blocks])
     "fsdp2-compile": ("fsdp2", {}),
     # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/peers.py; CUDA only)
     "simplefsdp": ("simplefsdp", {}),

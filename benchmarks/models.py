@@ -151,7 +151,7 @@ def build_model(spec: ModelSpec, device: torch.device | str) -> nn.Module:
 
 def stack_blocks(model: nn.Module) -> nn.Module:
     """Put a Llama's blocks into one :class:`fsdp_compile.stack.BlockStack` (``model.layers``), which
-    its forward then runs as one loop (NOTE [stacked blocks]); returns the stack."""
+    Dynamo then traces one block for all (NOTE [stacked blocks]); returns the stack."""
     from fsdp_compile.models import Transformer
     from fsdp_compile.stack import BlockStack
 

@@ -16,6 +16,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._higher_order_ops.scan import scan
 from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.output_code import OutputCode
@@ -41,6 +42,7 @@ __all__ = [
     "region_schemas_once",
     "register_foreach_type",
     "resolve_group",
+    "scan",
     "select_decomp_table",
     "serializable",
     "store_connection",

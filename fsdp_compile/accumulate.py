@@ -90,13 +90,6 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, 
             f"set_requires_gradient_sync: {type(module).__name__} holds no fully_shard unit; call "
             "fully_shard on it (or its blocks) first."
         )
-    stacked = [u for u in units if u.stacked]
-    if stacked and not requires_gradient_sync:
-        raise ValueError(
-            f"set_requires_gradient_sync(False): {stacked[0].fqn or 'the module'} is a BlockStack unit, whose "
-            "blocks cannot accumulate full gradients without sync yet; keep sync on (accumulate microbatches "
-            "with synced backwards), or shard those blocks one unit each from an nn.ModuleList."
-        )
     for unit in units:
         if not requires_gradient_sync:
             for sp in unit.params:

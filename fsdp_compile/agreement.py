@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from passes.loops import loop_bodies
 from passes.predicates import fsdp_meta, is_collective, is_wait, waited_collective
 
 from . import peers as _peers_mod
@@ -39,16 +38,10 @@ def fingerprint(gm: fx.GraphModule) -> list[str]:
     """The graph's collectives in order, one readable line each (what every rank must agree on).
 
     Groups are named by order of first use (``g0``, ``g1``, ...): with HSDP, peers use different
-    replicate groups of the same role, and what must match is which role each collective uses. A loop
-    whose body holds collectives (a stack's: NOTE [stacked blocks]) is one line with its length, then
-    its body's lines: ranks whose stacks differ in length would otherwise hang in the loop.
+    replicate groups of the same role, and what must match is which role each collective uses.
     """
     out: list[str] = []
-    _fingerprint(gm, out, {})
-    return out
-
-
-def _fingerprint(gm: fx.GraphModule, out: list[str], roles: dict[str, str]) -> None:
+    roles: dict[str, str] = {}
     for n in gm.graph.nodes:
         if is_collective(n):
             val = n.args[0].meta.get("val")  # type: ignore[union-attr]
@@ -60,14 +53,7 @@ def _fingerprint(gm: fx.GraphModule, out: list[str], roles: dict[str, str]) -> N
         elif is_wait(n):
             launch = waited_collective(n)
             out.append(f"wait({launch.target.__name__.split('.')[0]}, unit {fsdp_meta(launch).get('unit')})")  # type: ignore[union-attr]
-        elif n.op == "call_function" and n.target is torch.ops.higher_order.scan:
-            inner: list[str] = []
-            _fingerprint(getattr(gm, str(n.args[0].target)), inner, roles)  # type: ignore[union-attr]
-            if inner:
-                xs = [x for x in n.args[2] if isinstance(x, fx.Node)]  # type: ignore[union-attr]
-                val = xs[0].meta.get("val") if xs else None
-                out.append(f"loop({val.shape[0] if val is not None else '?'} iterations) {{")
-                out += [f"  {line}" for line in inner] + ["}"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -112,7 +98,7 @@ def identify(gm: fx.GraphModule, kind: str, timeout_s: float | None = None) -> G
         return None  # a fake process group stands for one rank
     groups: set[tuple[int, ...]] = set()
     timeouts = []
-    for n in [n for g in (gm, *loop_bodies(gm)) for n in g.graph.nodes]:
+    for n in gm.graph.nodes:
         if is_collective(n):
             group = resolve_group(str(n.args[-1]))
             groups.add(tuple(dist.get_process_group_ranks(group)))

@@ -38,13 +38,12 @@ from torch import fx, nn
 
 from passes import NamedPass, run_passes
 from passes.absorb import absorb_copies_pass
-from passes.body_views import body_views_pass
 from passes.bucket import bucket_pass
-from passes.loops import loop_bodies_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
 from passes.share import share_subgraphs_pass
+from passes.unroll import unroll_scans_pass
 from passes.streams import check_streams, streams_pass
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
@@ -64,14 +63,12 @@ from ._compat import (
     serializable,
     timed,
 )
-from ._compat_loops import CACHEABLE_LOOPS, host_loop_counters, loop_backwards_in_place, tagging_loop_bodies
 from .autotune import Choice
 from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule, schedule_logged
-from .loop_backward import backward_in_place
 from .module import OUTLINES
-from .partition import partition, tag_loop_body
+from .partition import partition
 from .regions import outer_markers
 from .units import is_sharded
 
@@ -178,12 +175,7 @@ def _scheduling(options: BackendOptions, choice: Choice) -> list[NamedPass]:
 def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.GraphModule:
     """All passes, in order; ``"auto"`` settings resolved on the bucketed graph with the cost model."""
     skip, diff = options.disabled_passes, options.log_pass_diffs
-    lowering = _lowering(options)
-    # A stack's markers are in its loop body (NOTE [stacked blocks]): lowered and bucketed there, once;
-    # and there its view copies become views (NOTE [views in loop bodies]).
-    in_bodies = [p.fn for p in lowering if p.name not in skip]
-    gm = loop_bodies_pass(gm, passes=in_bodies + ([] if "body_views" in skip else [body_views_pass]))
-    gm = run_passes(gm, lowering, disabled=skip, log_diff=diff, allow_unknown=True)
+    gm = run_passes(gm, _lowering(options), disabled=skip, log_diff=diff, allow_unknown=True)
     if options.uses_cost_model():
         choice = autotune.choose(gm, hw, prefetch=options.prefetch, prefetch_bytes=options.prefetch_bytes,
                                  schedule=options.schedule, reduce_scatter_bytes=options.reduce_scatter_bytes)
@@ -239,11 +231,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
     keep_output_strides(gm, None if is_backward or is_inference else forward_user_outputs())  # NOTE [output strides]
     calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
     patches = {"reorder_for_peak_memory": False} if options.pin_order or calls else {}
-    loops = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)
-    counters = host_loop_counters(example_inputs) if loops else contextlib.nullcontext()  # NOTE [loop counters off the C++ path]
-    if loops:
-        patches.update(CACHEABLE_LOOPS)  # NOTE [caching loops]: AOTAutograd may compile a backward lazily
-    with inductor_config_patch(patches), lowering_outlined_bodies(), counters:  # NOTE [donated subgraph inputs]
+    with inductor_config_patch(patches), lowering_outlined_bodies():  # NOTE [donated subgraph inputs]
         return compile_fx_inner(
             gm,
             example_inputs,
@@ -348,16 +336,13 @@ def make_backend(
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
         with timed("fsdp.outline"):
+            gm = unroll_scans_pass(gm)  # NOTE [unrolled stacks]
             gm = outer_markers(gm, example_inputs, keep_bodies=options.outlines())
         gm = inductor_pre_grad_passes(gm, example_inputs)
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
-        loops = cached and bool(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan))
-        cacheable_loops = inductor_config_patch(CACHEABLE_LOOPS) if loops else contextlib.nullcontext()
-        # NOTE [stacked blocks], NOTE [caching loops]
-        with region_schemas_once(), tagging_loop_bodies(tag_loop_body), cacheable_loops, \
-                loop_backwards_in_place(backward_in_place):  # NOTE [a loop's backward in place]
+        with region_schemas_once():
             compiled = (aot_cached if cached else aot_uncached)(gm, example_inputs)
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 

@@ -75,13 +75,6 @@ def _layout(model: nn.Module, caller: str) -> tuple[list[_Entry], list[tuple[str
             "on its blocks and then fully_shard(model, groups=groups) before checkpointing (an unsharded "
             "model needs no conversion: use model.state_dict() / load_state_dict())."
         )
-    stacked = next((u for m in model.modules() if (u := unit_of(m)) is not None and u.stacked), None)
-    if stacked is not None:
-        raise ValueError(
-            f"{caller}: {stacked.fqn or type(model).__name__!r} is a sharded BlockStack, whose parameters hold every "
-            "block's shard (NOTE [stacked blocks]); these checkpoint functions do not convert them yet. Save "
-            "model.state_dict() per rank (each rank's shards), or checkpoint a model of per-block units."
-        )
     entries: dict[int, _Entry] = {}
     order: list[tuple[str, _Entry]] = []
     for raw_key, tensor in model.state_dict(keep_vars=True).items():

@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-inductor", dest="inductor", action="store_false",
                    help="run the scheduled graphs without Inductor (debugging)")
     p.add_argument("--stack", action="store_true",
-                   help="the blocks as one BlockStack: compiled as one loop (NOTE [stacked blocks])")
+                   help="the blocks as one BlockStack: Dynamo traces one block for all (NOTE [stacked blocks])")
 
 
 def synthetic_batch(gen: torch.Generator, batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +78,7 @@ def train(rank: int, world: int, args: DemoArgs) -> list[float]:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
     if args.stack:
         model.layers = BlockStack(model.layers)  # type: ignore[assignment]
-    for block in [model.layers] if args.stack else model.layers:
+    for block in model.layers:
         fully_shard(block, groups=groups, mp_policy=mp)
     fully_shard(model, groups=groups, mp_policy=mp)
     compiled = torch.compile(model, backend=make_backend(inductor=args.inductor))
@@ -127,9 +127,8 @@ def train(rank: int, world: int, args: DemoArgs) -> list[float]:
 
 
 def _full_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
-    """Every managed parameter's full shape; a stack's stands for all its blocks: ``(blocks, *shape)``."""
-    return [(m.length, *sp.full_shape) if u.stacked else sp.full_shape  # type: ignore[attr-defined]
-            for m in model.modules() if (u := unit_of(m)) for sp in u.params]
+    """Every managed parameter's full shape."""
+    return [sp.full_shape for m in model.modules() if (u := unit_of(m)) for sp in u.params]
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -148,7 +148,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.tok_embeddings(tokens)
-        if isinstance(self.layers, BlockStack):  # one loop (NOTE [stacked blocks])
+        if isinstance(self.layers, BlockStack):  # traced once for all blocks (NOTE [stacked blocks])
             x = self.layers(x, self.rope_cos, self.rope_sin)
         else:
             for layer in self.layers:

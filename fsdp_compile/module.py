@@ -32,7 +32,7 @@ from torch import nn
 from ._compat import compile_region, traced_for
 from .accumulate import set_requires_gradient_sync
 
-__all__ = ["OUTLINES", "FsdpModule", "mix_in", "forward_of"]
+__all__ = ["OUTLINES", "FsdpModule", "mix_in", "forward_of", "outlining"]
 
 
 class FsdpModule:
@@ -68,7 +68,7 @@ def _outlined_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     region = _regions[forward]
 
     def outlined(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and _outlining():
+        if torch.compiler.is_compiling() and outlining():
             return region(self, *args, **kwargs)
         return forward(self, *args, **kwargs)
 
@@ -77,9 +77,10 @@ def _outlined_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @torch._dynamo.assume_constant_result
-def _outlining() -> bool:
+def outlining() -> bool:
     """NOTE [regions for our backend only]: whether the graph being traced goes to a backend of
-    ``make_backend`` that keeps outlined bodies. Other backends get the whole-model graph they always
+    ``make_backend`` that keeps outlined bodies (and so traces a ``BlockStack``'s blocks once, NOTE
+    [stacked blocks] in ``stack.py``). Other backends get the whole-model graph they always
     got: torch's Inductor, handed the same regions, computed wrong gradients (torch 2.13, a Llama block
     as a ``nested_compile_region`` under plain ``torch.compile``, no sharding: 5e-3 off; right with
     ``reorder_for_peak_memory`` or buffer reuse off), and ``make_backend(outline=False)`` wants none."""

@@ -20,7 +20,7 @@ from passes.predicates import UnshardArgs, is_unshard
 
 from ._compat import inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
 
-__all__ = ["partition", "tag_loop_body"]
+__all__ = ["partition"]
 
 _VIEW_OPS = {
     torch.ops.aten.t.default,
@@ -45,7 +45,7 @@ _VIEW_OPS = {
 _AC_GRAPH_ID = 1 << 30
 
 
-def _tag_reshard(joint: fx.GraphModule, views: set[Any] = _VIEW_OPS) -> None:
+def _tag_reshard(joint: fx.GraphModule) -> None:
     """NOTE [reshard by recompute]: mark unshards of resharding units (and the view/cast chains that
     only read them) must-recompute, so the partitioner cannot save a gathered param for backward and
     instead re-runs the unshard there; units with ``reshard_after_forward=False`` are must-save."""
@@ -61,71 +61,10 @@ def _tag_reshard(joint: fx.GraphModule, views: set[Any] = _VIEW_OPS) -> None:
         frontier = list(node.users)
         while frontier:
             user = frontier.pop()
-            if user.op == "call_function" and user.target in views and user.meta.get("ac_graph_id") != _AC_GRAPH_ID:
+            if user.op == "call_function" and user.target in _VIEW_OPS and user.meta.get("ac_graph_id") != _AC_GRAPH_ID:
                 user.meta["recompute"] = policy
                 user.meta["ac_graph_id"] = _AC_GRAPH_ID
                 frontier.extend(user.users)
-
-
-# A loop body's joint graph is functional, its views copies (``t_copy``), and a layout change of a view is a
-# ``clone``: each would otherwise be saved in the gathered parameter's place.
-_VIEW_COPY_OPS = {
-    torch.ops.aten.clone.default,
-    torch.ops.aten.t_copy.default,
-    torch.ops.aten.view_copy.default,
-    torch.ops.aten.permute_copy.default,
-    torch.ops.aten.transpose_copy.int,
-    torch.ops.aten.expand_copy.default,
-    torch.ops.aten.slice_copy.Tensor,
-    torch.ops.aten.select_copy.int,
-    torch.ops.aten.alias_copy.default,
-    torch.ops.aten.unsqueeze_copy.default,
-    torch.ops.aten.squeeze_copy.dim,
-}
-
-
-def tag_loop_body(joint: fx.GraphModule) -> None:
-    """NOTE [reshard by recompute] in a stack's loop body (NOTE [stacked blocks] in ``stack.py``): run
-    on each loop body's joint graph before torch partitions it (``tagging_loop_bodies``), so that the
-    loop's forward keeps each block's shard, not its gathered parameters, and its backward gathers again."""
-    _tag_reshard(joint, _VIEW_OPS | _VIEW_COPY_OPS)
-    _seedless_attention(joint)
-
-
-def _seedless_attention(joint: fx.GraphModule) -> None:
-    """NOTE [attention seeds in a loop]: CUDA's memory-efficient attention returns its dropout seed and
-    offset as CPU scalars while its fake kernel says they live on the GPU. Inline that does not matter:
-    nothing but the attention's backward reads them. In a loop body they are saved for backward, so
-    the loop stacks them into a GPU buffer with a Triton copy that reads the CPU scalar and fails
-    ("Pointer argument cannot be accessed from Triton"). Without dropout the seed is never read, so
-    the backward gets a CPU zero made in place (must-recompute: never saved) instead; with dropout the
-    loop cannot carry the seed, and the compile stops with the fix."""
-    target = torch.ops.aten._scaled_dot_product_efficient_attention.default
-    for attention in joint.graph.find_nodes(op="call_function", target=target):
-        dropout = attention.args[5] if len(attention.args) > 5 else attention.kwargs.get("dropout_p", 0.0)
-        seeds = [u for u in attention.users if u.target is operator.getitem and u.args[1] in (2, 3)]
-        if not any(seed.users for seed in seeds):
-            continue
-        if dropout != 0.0:
-            raise ValueError(
-                "a stacked block (BlockStack) runs CUDA's memory-efficient attention with dropout, whose random "
-                "seed a loop cannot carry to backward: set the attention's dropout to 0 in the stacked blocks, "
-                "or shard the blocks one by one instead of as a BlockStack"
-            )
-        order = {node: i for i, node in enumerate(joint.graph.nodes)}
-        for seed in seeds:
-            first = min(seed.users, key=order.__getitem__)
-            with joint.graph.inserting_before(first):
-                zero = joint.graph.call_function(
-                    torch.ops.aten.zeros.default, ([],), {"dtype": torch.int64, "device": torch.device("cpu")}
-                )
-            with seed.meta["val"].fake_mode:
-                zero.meta["val"] = torch.zeros((), dtype=torch.int64, device="cpu")
-            zero.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            zero.meta["ac_graph_id"] = _AC_GRAPH_ID
-            seed.replace_all_uses_with(zero)
-            joint.graph.erase_node(seed)
-    joint.recompile()
 
 
 def _read_passed_through_inputs(joint: fx.GraphModule) -> None:

@@ -24,7 +24,7 @@ from .grads import ShardGrad, as_shard_grad
 from .groups import FsdpGroups
 from .module import FsdpModule, forward_of, mix_in
 from .ops import ANONYMOUS_UNIT, shard_rows
-from .stack import BlockStack, shard_stack
+from .stack import BlockStack, add_sharded_block, stack_of
 from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of
 
 __all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "local_shard", "unit_of"]
@@ -123,14 +123,15 @@ class _Chain(parametrize.ParametrizationList):
         super().__delitem__(idx)
 
 
-def _lean_read(owner: nn.Module, name: str, sp: ShardedParam) -> None:
-    """Put ``owner.<name>`` on the lean traced read (NOTE [traced reads])."""
+def _lean_read(owner: nn.Module, name: str, sp: ShardedParam | None) -> None:
+    """Put ``owner.<name>`` on the lean traced read (NOTE [traced reads]); ``None``: leave it on
+    parametrize's path (a stack's block, whose compiled body replaces the shard it reads)."""
     chain = owner._modules["parametrizations"]._modules[name]  # type: ignore[index]
     if type(chain) is parametrize.ParametrizationList:
         chain.__class__ = _Chain
     reads = owner.__dict__.setdefault("_fsdp_reads", {})
     chain.__dict__["_fsdp_reads"], chain.__dict__["_fsdp_name"] = reads, name
-    if len(chain._modules) == 1:
+    if len(chain._modules) == 1 and sp is not None:
         reads[name] = sp
 
 
@@ -203,9 +204,9 @@ def fully_shard(
     units] in ``module.py``); ``None`` (default) outlines a unit that holds no other unit and shares
     its forward with another one, such as a transformer's blocks. Use ``False`` for a block whose
     forward Dynamo cannot trace whole (a graph break inside it).
-    A :class:`~fsdp_compile.stack.BlockStack` is sharded as one unit whose parameters hold every block's
-    dim-0 shard, and runs its blocks as one loop that gathers one block per iteration (NOTE [stacked
-    blocks] in ``stack.py``).
+    ``fully_shard`` of a :class:`~fsdp_compile.stack.BlockStack` shards each of its blocks as a unit
+    of its own (what ``for block in stack: fully_shard(block, ...)`` does), and returns the stack; the
+    blocks of a stack are compiled as one body (NOTE [stacked blocks] in ``stack.py``).
     Returns ``module`` (sharded in place). Buffers stay replicated; frozen parameters are gathered
     but never reduced.
     """
@@ -232,20 +233,22 @@ def fully_shard(
     if outline is not None and not isinstance(outline, bool):
         raise TypeError(f"fully_shard: outline must be True, False or None (decide), got {outline!r}.")
 
-    _check_order(module, unit_name)
     if isinstance(module, BlockStack):
-        if outline:
-            raise ValueError("fully_shard(BlockStack): outline=True, but a stack already runs its blocks as one loop "
-                             "body (NOTE [stacked blocks]); leave outline=None.")
-        unit = Unit(index=0, module_ref=weakref.ref(module), groups=groups,
-                    reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, outline=False, stacked=True)
-        shard_stack(module, unit, unit_name)
-        return _register_unit(module, unit, mp_policy)
+        for block in module:
+            if block not in _units:
+                fully_shard(block, groups=groups, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                            outline=outline)
+        return module
+    _check_order(module, unit_name)
+    stack = stack_of(module)
+    if stack is not None and outline:
+        raise ValueError(f"fully_shard({unit_name}): outline=True, but this block belongs to a BlockStack, whose blocks "
+                         "are compiled as one body already (NOTE [stacked blocks]); leave outline=None.")
+    _check_stacks_sharded(module, unit_name)
     # Which (owner, name, param) does this unit take? Everything not managed yet; a param that an
     # earlier unit manages may only appear here behind that unit's parametrization.
     new: list[tuple[nn.Module, str, nn.Parameter]] = []
-    # A module reachable under two names is sharded once; a sharded stack's modules are its unit's.
-    visited = {id(m) for s in module.modules() if (u := _units.get(s)) is not None and u.stacked for m in s.modules()}
+    visited: set[int] = set()  # a module reachable under two names is sharded once
     for mod_name, owner in module.named_modules(remove_duplicate=False):
         if isinstance(owner, parametrize.ParametrizationList) or id(owner) in visited:
             continue
@@ -271,7 +274,8 @@ def fully_shard(
         groups=groups,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
-        outline=outline,
+        outline=False if stack is not None else outline,
+        stacked=stack is not None,
     )
     seen: dict[nn.Parameter, ShardedParam] = {}
     for owner, fqn, p in new:
@@ -286,11 +290,27 @@ def fully_shard(
             parametrize.register_parametrization(owner, pname, Unshard(sp), unsafe=True)
         cls = type(owner)  # parametrize's class for this module alone, holding one property per name
         setattr(cls, pname, _traced_property(pname, cls.__dict__[pname]))
-        _lean_read(owner, pname, sp)
+        _lean_read(owner, pname, sp if stack is None else None)  # a stack's body reads through parametrize
         if _params.get(p) is None:
             _register_grad_hook(p, _hand_out_global_grads(sp))
         _params[p] = sp
+    if stack is not None:
+        add_sharded_block(stack, module, unit)
     return _register_unit(module, unit, mp_policy)
+
+
+def _check_stacks_sharded(module: nn.Module, unit_name: str) -> None:
+    """A unit may not take a BlockStack's parameters: each block is a unit of its own (NOTE [stacked
+    blocks]), sharded before any module around the stack."""
+    for name, inner in module.named_modules():
+        if isinstance(inner, BlockStack):
+            loose = [i for i, block in enumerate(inner) if block not in _units]
+            if loose:
+                where = f"{name}.{loose[0]}" if name else str(loose[0])
+                raise ValueError(
+                    f"fully_shard({unit_name}): block {where} of a BlockStack is not sharded yet; each block of a "
+                    "stack is a unit of its own: call fully_shard on the blocks first (for block in stack: "
+                    "fully_shard(block, groups=groups), or fully_shard(stack, groups=groups)), then the root.")
 
 
 def _register_unit(module: nn.Module, unit: Unit, mp_policy: MixedPrecisionPolicy) -> nn.Module:
@@ -386,7 +406,8 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
         unit.index = i
         for sp in unit.params:
             sp.marker_args = _marker_args(sp)
-            sp.traced_args = _anonymous(sp.marker_args) if unit.outlined else sp.marker_args
+            anonymous = unit.outlined or unit.stacked  # traced once for many units: NOTE [outlined units]
+            sp.traced_args = _anonymous(sp.marker_args) if anonymous else sp.marker_args
 
 
 def _choose_outlined(units: list[Unit]) -> None:
@@ -407,7 +428,7 @@ def _choose_outlined(units: list[Unit]) -> None:
                 "or leave outline=None)."
             )
         decided = unit.outline if unit.outline is not None else forwards.get(forward_of(unit.module), 0) >= 2
-        unit.outlined = bool(decided) and not inside[id(unit)]
+        unit.outlined = bool(decided) and not inside[id(unit)] and not unit.stacked  # NOTE [stacked blocks]
         mix_in(unit.module, outlined=unit.outlined)
 
 

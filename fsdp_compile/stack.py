@@ -1,33 +1,35 @@
-"""``BlockStack``: identical blocks run as one loop, so that a compiler traces and compiles one block.
+"""``BlockStack``: alike blocks that Dynamo traces once, compiled as one body that every block calls.
 
-NOTE [stacked blocks]: an outlined model (NOTE [outlined units] in ``module.py``) still hands Dynamo,
-AOTAutograd, our passes and Inductor one call of the block's body, with its glue, per block: its cold
-compile grows with depth (README, Compile time). A ``BlockStack`` holds the blocks' parameters stacked,
-one tensor per role (``block.attn.wq.weight`` of shape ``(blocks, *shape)``), and runs them, when
-compiled, as one ``scan`` over those stacks: Dynamo traces the block once, AOTAutograd partitions one
-loop body, Inductor compiles one forward and one backward body, and the graph holds no node per block.
+NOTE [stacked blocks]: an outlined model (NOTE [outlined units] in ``module.py``) hands Dynamo one call
+of the block's region per block, and torch 2.11's Dynamo traces each call again (2.13 re-checks each
+call's guards): the part of a cold compile that grows fastest with depth on the GPUs' torch (README,
+Compile time). A ``BlockStack`` is an ``nn.ModuleList`` of alike blocks that the model calls as one
+module (``h = self.layers(h, *args)``). Traced for ``fsdp_backend``, its forward hands Dynamo one
+``scan`` whose body is block 0 and whose inputs are every block's parameters (their shards, once
+sharded) stacked per role, so Dynamo traces one block however deep the stack. The backend then
+unrolls that loop into one call of the body per block, each reading its own block's tensors (NOTE
+[unrolled stacks] in ``passes/unroll.py``), which is exactly an outlined model: the stacks are never
+built, the body is partitioned and compiled once, and every block's collectives are scheduled across
+blocks (prefetch, eager reduce-scatter) as for any outlined units.
 
-Sharded (``fully_shard(stack, ...)``), each role's tensor holds every block's dim-0 shard, shape
-``(blocks, rows, *shape[1:])`` (NOTE [padding] in ``ops.py``, per block), and the loop body reads its
-block's slice through ``fsdp::unshard``, so each iteration gathers its block, and its backward
-reduce-scatters the block's gradients (both lowered inside the loop body by ``passes/loops.py``). As
-torch partitions a loop body, it would keep every block's gathered parameters from forward to
-backward; the backend tags the body's unshards must-recompute first (``tagging_loop_bodies`` in
-``_compat_loops.py``), so the forward keeps the shards and the backward gathers again, as resharding after
-forward does elsewhere.
+The blocks stay ordinary modules: each is its own ``fully_shard`` unit (``for block in stack:
+fully_shard(block, ...)``, or ``fully_shard(stack, ...)`` for all of them), with its own parameters,
+state-dict names (``layers.3.attn.wq.weight``), checkpoints and accumulation. What the one trace asks
+of them: one class, the same parameter and buffer names, shapes, dtypes and ``requires_grad``, the
+same plain attributes (``BlockStack(..., ignore_attributes=)`` names those the forward does not read,
+such as a cache's layer index), no hooks of their own, and alike sharding (groups, mixed precision,
+resharding). The body reads block 0's code and attributes and every block's own tensors.
 
-What a stack gives up against outlined blocks: a loop iteration cannot leave a collective in flight
-into the next one, so in this version no gather is prefetched and no reduce-scatter overlaps the next
-block's backward: each block's collectives wait before its compute (forward) or right after it
-(backward). With one rank (collectives elided) nothing is lost; with more, the communication is
-exposed. The blocks must be alike (one class, the same parameter names, shapes, dtypes and
-``requires_grad``, equal buffers, no hooks), and the model must call the stack (``h = self.layers(h,
-...)``): a ``for layer in layers`` loop would be unrolled by Dynamo.
+Where one trace cannot stand for every block, the stack runs its blocks one by one, as an
+``nn.ModuleList`` loop would: eagerly, under another backend or ``make_backend(outline=False)``, and
+while a block accumulates gradients without sync (each of its reads then passes its own accumulator,
+NOTE [no-sync]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -35,115 +37,117 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
-from ._compat_loops import SCAN_NEEDS_FIRST_CARRY_GRAD, scan
-from .ops import shard_rows
-from .units import ShardedParam, Unit, _params, _units
+from ._compat import scan
+from .module import outlining
+from .units import ShardedParam, Unit, _units
 
-__all__ = ["BlockStack", "shard_stack"]
+__all__ = ["BlockStack", "stack_of"]
+
+# Block -> the stack holding it (weakly both ways: the stack holds its blocks).
+_stacks: weakref.WeakKeyDictionary[nn.Module, weakref.ref[BlockStack]] = weakref.WeakKeyDictionary()
 
 
-class BlockStack(nn.Module):
-    """``len(blocks)`` alike blocks applied in turn, ``h = block_i(h, *args, **kwargs)``, run as one loop
-    when compiled (NOTE [stacked blocks]).
+def stack_of(module: nn.Module) -> BlockStack | None:
+    """The :class:`BlockStack` that holds ``module`` as one of its blocks, or ``None``."""
+    ref = _stacks.get(module)
+    return ref() if ref is not None else None
 
-    The stack keeps the first block as ``self.block``, its parameters replaced by the stacks of every
-    block's (shape ``(len(blocks), *shape)``; the other blocks are not kept), so ``state_dict()`` keys read
-    ``block.<name>``. Each block's forward must return a tensor of its first argument's shape and dtype;
-    ``args`` and ``kwargs`` (rotary tables, masks) are the same for every block.
+
+class BlockStack(nn.ModuleList):
+    """``h = block_i(h, *args, **kwargs)`` for each block in turn; compiled by ``fsdp_backend``, the
+    block is traced once for all of them (NOTE [stacked blocks]).
+
+    ``blocks``: alike modules whose forward returns a tensor like its first argument (the hidden state);
+    ``args`` and ``kwargs`` (rotary tables, masks) are the same for every block. ``ignore_attributes``:
+    plain attributes (``int``, ``float``, ``str``, ...) that may differ between blocks because the
+    block's forward does not read them (a KV cache's ``layer_idx``, say); the compiled body sees block
+    0's. Shard it with ``for block in stack: fully_shard(block, groups=groups)`` (each block one unit),
+    or ``fully_shard(stack, groups=groups)``, which does that.
     """
 
-    def __init__(self, blocks: Iterable[nn.Module]) -> None:
+    def __init__(self, blocks: Iterable[nn.Module], *, ignore_attributes: Iterable[str] = ()) -> None:
         blocks = list(blocks)
-        _check_alike(blocks)
-        super().__init__()
+        _check_alike(blocks, frozenset(ignore_attributes))
+        super().__init__(blocks)
         first = blocks[0]
-        self.names: tuple[str, ...] = tuple(name for name, _ in first.named_parameters())
-        self.length = len(blocks)
-        with torch.no_grad():
-            stacks = {name: torch.stack([b.get_parameter(name).detach() for b in blocks]) for name in self.names}
-        for name in self.names:
-            owner_name, _, leaf = name.rpartition(".")
-            owner = first.get_submodule(owner_name) if owner_name else first
-            owner._parameters[leaf] = nn.Parameter(stacks[name], requires_grad=first.get_parameter(name).requires_grad)
-        self.block = first
-
-    def stacked(self) -> list[Tensor]:
-        """The stacked parameter of each role, in ``self.names`` order (the shards, once sharded)."""
-        return [self.block.get_parameter(name) for name in self.names]
+        self.roles: tuple[str, ...] = tuple(n for n, _ in first.named_parameters())
+        self.buffer_roles: tuple[str, ...] = tuple(n for n, _ in first.named_buffers())
+        # Set by fully_shard, per block: its ShardedParam of each role (NOTE [stacked blocks]).
+        self.shards: list[tuple[ShardedParam, ...] | None] = [None] * len(blocks)
+        for block in blocks:
+            _stacks[block] = weakref.ref(self)
 
     def forward(self, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        stacks = self.stacked()
-        # Set by fully_shard (name -> ShardedParam): a plain dict that Dynamo reads as it traces.
-        shards = self.__dict__.get("_fsdp_reads", {})
-        names = self.names
+        if not (torch.compiler.is_compiling() and outlining() and self._one_trace()):
+            return self._one_by_one(h, args, kwargs)
+        if self.shards[0] is None:
+            tensors = [[block.get_parameter(role) for block in self] for role in self.roles]
+            keys = list(self.roles)
+        else:
+            tensors = [[shards[j].shard for shards in self.shards] for j in range(len(self.roles))]  # type: ignore[union-attr]
+            keys = [_original(role) for role in self.roles]
+        tensors += [[block.get_buffer(role) for block in self] for role in self.buffer_roles]
+        keys += list(self.buffer_roles)
+        first = self[0]
 
-        def apply(carry: Tensor, slices: Sequence[Tensor]) -> Tensor:
-            params = {name: _read(shards.get(name), x) for name, x in zip(names, slices)}
-            return functional_call(self.block, params, (carry, *args), kwargs)
+        def body(carry: Tensor, rows: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+            return functional_call(first, dict(zip(keys, rows)), (carry, *args), kwargs), []
 
-        if not torch.compiler.is_compiling():
-            for i in range(self.length):
-                out = apply(h, [t[i] for t in stacks])
-                if not isinstance(out, Tensor) or out.shape != h.shape or out.dtype != h.dtype:
-                    raise TypeError(_bad_output(self.block, h, out))
-                h = out
-            return h
-        if SCAN_NEEDS_FIRST_CARRY_GRAD and torch.is_grad_enabled() and not h.requires_grad:
-            trained = next((t for t in stacks if t.requires_grad), None)
-            if trained is not None:  # a zero that requires grad: see SCAN_NEEDS_FIRST_CARRY_GRAD
-                h = h + (trained.flatten()[:1] * 0).sum().to(h.dtype)
-
-        def body(carry: Tensor, slices: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
-            return apply(carry, slices), []  # no per-iteration output: only the carry
-
-        out, _ = scan(body, h, stacks)
+        out, _ = scan(body, h, [torch.stack(ts) for ts in tensors])
         return out
 
+    def _one_by_one(self, h: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        for block in self:
+            out = block(h, *args, **kwargs)
+            if not torch.compiler.is_compiling() and (
+                    not isinstance(out, Tensor) or out.shape != h.shape or out.dtype != h.dtype):
+                raise TypeError(_bad_output(block, h, out))
+            h = out
+        return h
+
+    def _one_trace(self) -> bool:
+        """Whether one trace of block 0 stands for every block now: the blocks are sharded (all of them)
+        or not (none), and none accumulates gradients without sync (NOTE [stacked blocks])."""
+        sharded = [shards is not None for shards in self.shards]
+        if any(sharded) and not all(sharded):
+            missing = sharded.index(False)
+            raise ValueError(f"BlockStack: block {missing} is not sharded while block {sharded.index(True)} is; "
+                             "shard every block of a stack (for block in stack: fully_shard(block, groups=groups)), "
+                             "or none.")
+        return not any(_accumulating(shards[0].unit) for shards in self.shards if shards is not None)
+
     def extra_repr(self) -> str:
-        return f"{self.length} x {type(self.block).__name__}"
+        return f"{len(self)} x {type(self[0]).__name__}, traced once when compiled"
 
 
-def shard_stack(stack: BlockStack, unit: Unit, unit_name: str) -> None:
-    """Each stacked parameter of ``stack`` (``(blocks, *shape)``) in place as every block's dim-0 shard,
-    ``(blocks, rows, *shape[1:])``, padded per block (NOTE [stacked blocks], NOTE [padding]), each one a
-    parameter of ``unit``: ``fully_shard``'s part for a stack."""
-    from .sharding import _check_params, _hand_out_global_grads, _register_grad_hook  # (imports this module)
-
-    for name, m in stack.named_modules():
-        taken = [n for n, p in m.named_parameters(recurse=False) if p in _params]
-        if taken or parametrize.is_parametrized(m):
-            raise ValueError(
-                f"fully_shard({unit_name}): {name or 'the stack'} already belongs to a unit; a stack is sharded "
-                "as one unit: call fully_shard(stack, groups=groups) alone, not on its block's modules."
-            )
-    stacks = stack.stacked()
-    _check_params(stack, unit_name, [(stack, n, p) for n, p in zip(stack.names, stacks)])
-    groups = unit.groups
-    rank, world = groups.all_gather.rank(), groups.shard_size
-    for name, p in zip(stack.names, stacks):
-        per_block = tuple(p.shape[1:])
-        full = p.detach().reshape(stack.length, *(per_block or (1,)))
-        dim0 = full.shape[1]
-        rows = shard_rows(dim0, world)
-        start, stop = min(rank * rows, dim0), min((rank + 1) * rows, dim0)
-        shard = full.new_zeros(stack.length, rows, *full.shape[2:])
-        shard[:, : stop - start].copy_(full[:, start:stop])
-        p.grad = None
-        p.data = shard
-        # Dim 0 of the shard is the block, so all of it is real (the padding rows of each block, along
-        # dim 1, have zero gradients): its ShardGrad's norms take every row (NOTE [global norms]).
-        sp = ShardedParam(shard=p, full_shape=per_block, local_name=f"block.{name}", unit=unit, sharded=True,
-                          shard_index=rank, real_rows=stack.length)
-        unit.params.append(sp)
-        _params[p] = sp
-        stack.__dict__.setdefault("_fsdp_reads", {})[name] = sp
-        _register_grad_hook(p, _hand_out_global_grads(sp))
+def _accumulating(unit: Unit) -> bool:
+    """A unit whose reads pass accumulators (NOTE [no-sync] in ``accumulate.py``)."""
+    return not unit.requires_grad_sync or unit.pending
 
 
-def _read(sp: ShardedParam | None, x: Tensor) -> Tensor:
-    """A loop iteration's parameter from its slice ``x`` of a stack: ``x`` itself, or, sharded, gathered
-    through the marker."""
-    return x if sp is None else torch.ops.fsdp.unshard(x, *sp.marker_args, None)
+def _original(role: str) -> str:
+    """Where a sharded block keeps the shard of ``role`` (``attn.wq.weight``): its parametrization's
+    ``original`` (``attn.wq.parametrizations.weight.original``), which ``functional_call`` can replace."""
+    owner, _, leaf = role.rpartition(".")
+    return f"{owner}.parametrizations.{leaf}.original" if owner else f"parametrizations.{leaf}.original"
+
+
+def add_sharded_block(stack: BlockStack, block: nn.Module, unit: Unit) -> None:
+    """``fully_shard``'s part for a block of ``stack``: record its ShardedParam of each role, after
+    checking that one trace of block 0 can stand for it (NOTE [stacked blocks])."""
+    index = next(i for i, b in enumerate(stack) if b is block)
+    by_name = {sp.local_name: sp for sp in unit.params}
+    if set(by_name) != set(stack.roles) or any(not parametrize.is_parametrized(block.get_submodule(r.rpartition(".")[0]))
+                                                for r in stack.roles):
+        raise ValueError(f"fully_shard: block {index} of a BlockStack must be sharded as one unit holding all of its "
+                         "parameters: call fully_shard on the block, not on modules inside it, and before the root.")
+    for other in (shards[0].unit for shards in stack.shards if shards is not None):
+        mine = (unit.groups, unit.reshard_after_forward, unit.mp_policy)
+        if mine != (other.groups, other.reshard_after_forward, other.mp_policy):
+            raise ValueError(f"fully_shard: block {index} of a BlockStack is sharded unlike an earlier block (groups, "
+                             "reshard_after_forward or mp_policy differ); a stack's blocks are compiled as one body: "
+                             "shard them alike.")
+    stack.shards[index] = tuple(by_name[r] for r in stack.roles)
 
 
 def _bad_output(block: nn.Module, h: Tensor, out: object) -> str:
@@ -153,8 +157,17 @@ def _bad_output(block: nn.Module, h: Tensor, out: object) -> str:
             "state). Return extra results through a plain nn.ModuleList loop instead of a BlockStack.")
 
 
-def _check_alike(blocks: list[nn.Module]) -> None:
-    """Refuse blocks one loop body cannot stand for, naming what differs."""
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _attributes(module: nn.Module, ignore: frozenset[str]) -> dict[str, object]:
+    """A module's plain attributes that its forward may read (not its tensors, submodules or hooks)."""
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k not in ignore and k != "training" and isinstance(v, _PLAIN)}
+
+
+def _check_alike(blocks: list[nn.Module], ignore: frozenset[str]) -> None:
+    """Refuse blocks one trace cannot stand for, naming what differs."""
     if not blocks:
         raise ValueError("BlockStack: no blocks given; pass the model's blocks (an nn.ModuleList of at least one).")
     for i, b in enumerate(blocks):
@@ -164,20 +177,19 @@ def _check_alike(blocks: list[nn.Module]) -> None:
             where = f"block {i}" + (f" ({name})" if name else "")
             if m in _units or parametrize.is_parametrized(m):
                 raise ValueError(f"BlockStack: {where} is already sharded or parametrized; build the BlockStack "
-                                 "from plain blocks first, then call fully_shard(stack, groups=groups) on it.")
+                                 "from plain blocks first, then call fully_shard on its blocks.")
             if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-                raise ValueError(f"BlockStack: {where} has hooks, which one loop body cannot run per block; "
+                raise ValueError(f"BlockStack: {where} has hooks, which one trace of block 0 cannot run per block; "
                                  "remove them, or keep the blocks in an nn.ModuleList.")
     first = blocks[0]
     want = [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in first.named_parameters()]
-    if not want:
-        raise ValueError("BlockStack: the blocks have no parameters; nothing to stack.")
     names = [n for n, _ in first.named_parameters(remove_duplicate=False)]
     if len(names) != len(want):
         tied = sorted(set(names) - {n for n, *_ in want})
-        raise ValueError(f"BlockStack: a parameter of the blocks is tied to another ({tied[0]}); a stack keeps one "
-                         "tensor per name. Untie it inside the block, or keep the blocks in an nn.ModuleList.")
-    buffers = dict(first.named_buffers())
+        raise ValueError(f"BlockStack: a parameter of the blocks is tied to another ({tied[0]}); a stack passes each "
+                         "block one tensor per name. Untie it inside the block, or keep the blocks in an nn.ModuleList.")
+    buffers = [(n, t.shape, t.dtype, t.device) for n, t in first.named_buffers()]
+    attributes = {name: _attributes(m, ignore) for name, m in first.named_modules()}
     for i, b in enumerate(blocks[1:], start=1):
         if type(b) is not type(first):
             raise ValueError(f"BlockStack: block {i} is a {type(b).__name__}, block 0 a {type(first).__name__}; "
@@ -188,8 +200,16 @@ def _check_alike(blocks: list[nn.Module]) -> None:
             raise ValueError(f"BlockStack: block {i}'s parameters differ from block 0's (first difference: "
                              f"{diff[0]} against {diff[1]}: name, shape, dtype, device, requires_grad); a stack's "
                              "blocks must be alike. Freeze or unfreeze whole roles, or keep an nn.ModuleList.")
-        theirs = dict(b.named_buffers())
-        if theirs.keys() != buffers.keys() or any(not torch.equal(theirs[k], v) for k, v in buffers.items()):
-            raise ValueError(f"BlockStack: block {i}'s buffers differ from block 0's; a stack runs block 0's "
-                             "buffers for every block. Pass per-block tensors as parameters, or keep an "
-                             "nn.ModuleList.")
+        if [(n, t.shape, t.dtype, t.device) for n, t in b.named_buffers()] != buffers:
+            raise ValueError(f"BlockStack: block {i}'s buffers differ from block 0's in name, shape, dtype or device; "
+                             "a stack's blocks must be alike. Keep the blocks in an nn.ModuleList.")
+        for name, m in b.named_modules():
+            theirs, ours = _attributes(m, ignore), attributes.get(name)
+            if theirs != ours:
+                key = next(k for k in sorted({*theirs, *(ours or {})}) if theirs.get(k) != (ours or {}).get(k))
+                where = f"{name}.{key}" if name else key
+                raise ValueError(
+                    f"BlockStack: block {i}'s attribute {where} is {theirs.get(key)!r}, block 0's "
+                    f"{(ours or {}).get(key)!r}; the compiled stack runs block 0's code and attributes for every block. "
+                    f"If the block's forward does not read it, pass BlockStack(..., ignore_attributes=[{key!r}]); "
+                    "otherwise keep the blocks in an nn.ModuleList.")

@@ -48,7 +48,7 @@ class Unit:
     params: list[ShardedParam] = field(default_factory=list)
     outline: bool | None = None  # what fully_shard(outline=) asked for; None: decide (NOTE [outlined units])
     outlined: bool = False  # its forward is compiled once for every unit of its class (NOTE [outlined units])
-    stacked: bool = False  # a BlockStack's unit: each param holds every block's shard (NOTE [stacked blocks])
+    stacked: bool = False  # a block of a BlockStack, traced once with the stack's other blocks (NOTE [stacked blocks])
     requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py
     pending: bool = False  # accumulated full gradients not yet reduced
     flush_queued: bool = False

@@ -50,7 +50,7 @@ def same_graph_everywhere(rank: int, world: int) -> None:
 
 
 def stacks_of_different_lengths(rank: int, world: int) -> None:
-    """Rank 1's stack has one block more: the loop would run a collective more on it (NOTE [stacked blocks])."""
+    """Rank 1's stack has one block more, so its graph gathers more (NOTE [stacked blocks])."""
     from fsdp_compile import fully_shard
     from fsdp_compile.stack import BlockStack
 
@@ -61,12 +61,11 @@ def stacks_of_different_lengths(rank: int, world: int) -> None:
     compiled(torch.randn(4, 8, requires_grad=True)).sum().backward()
 
 
-def test_a_loop_of_another_length_on_one_rank_raises_instead_of_hanging() -> None:
+def test_a_stack_of_another_length_on_one_rank_raises_instead_of_hanging() -> None:
     with pytest.raises(RankFailure) as info:
         run_ranks(stacks_of_different_lengths, 2, timeout=120)
     message = str(info.value)
     assert message.count("differs across ranks") >= 2, message
-    assert "loop(2 iterations)" in message and "loop(3 iterations)" in message, message
 
 
 def test_rank_dependent_branch_raises_on_every_rank() -> None:

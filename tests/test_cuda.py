@@ -36,8 +36,8 @@ def test_world1_nccl_matches_cpu(backend_kw: dict, group_kw: dict) -> None:
 
 @pytest.mark.parametrize("backend_kw", [{}, {"elide_single_rank": False}])
 def test_world1_nccl_stacked_blocks_match_cpu(backend_kw: dict) -> None:
-    """One BlockStack (NOTE [stacked blocks]): the loop through Inductor's CUDA code, its counter off the
-    C++ path, the body's collectives on NCCL when kept."""
+    """One BlockStack (NOTE [stacked blocks]): traced once, unrolled into calls of one body through
+    Inductor's CUDA code, the blocks' collectives on NCCL when kept."""
     torch.backends.cuda.matmul.allow_tf32 = False
     case = Case(model="llama-stacked", device="cuda", steps=6, backend_kw=backend_kw)
     check(run_ranks(train_case, 1, case, backend="nccl"), steps=case.steps, rtol=1e-4)

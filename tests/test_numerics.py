@@ -55,6 +55,8 @@ TWO_RANKS: dict[str, Case] = {
     "llama-sgd": Case(optim="sgd"),
     "accumulate": Case(microbatches=2, steps=4, backend_kw=FX),
     "stacked": Case(model="llama-stacked", optim="adamw", steps=5),  # one BlockStack: NOTE [stacked blocks]
+    # a stack accumulating without sync runs its blocks one by one (NOTE [stacked blocks])
+    "stacked-no-sync": Case(model="llama-stacked", microbatches=2, steps=3, no_sync=True, backend_kw=FX),
     **{f"schedule-{name}": Case(optim="adamw", steps=5, backend_kw=kw, group_kw=gkw)
        for name, (kw, gkw) in SCHEDULES.items()},
 }
@@ -73,8 +75,13 @@ def test_llama_two_ranks_sgd(two_ranks: dict[str, list[dict[str, Any]]]) -> None
 
 
 def test_stacked_blocks_match_the_reference(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
-    """One BlockStack of the blocks, compiled by Inductor as one loop (NOTE [stacked blocks])."""
+    """One BlockStack of the blocks, traced once and compiled by Inductor as calls of one body (NOTE
+    [stacked blocks])."""
     check(two_ranks["stacked"], steps=TWO_RANKS["stacked"].steps)
+
+
+def test_stacked_blocks_accumulate_without_sync(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    check(two_ranks["stacked-no-sync"], steps=TWO_RANKS["stacked-no-sync"].steps)
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))

@@ -1,45 +1,49 @@
-"""Stacked blocks (NOTE [stacked blocks] in fsdp_compile/stack.py): a ``BlockStack`` computes what its
-blocks compute, compiled as one loop; sharded, the loop body gathers its block and reduce-scatters
-its gradients, the forward keeps only shards, the schedule and the order in Inductor's code are
-pinned, a warm start loads it, and misuse is refused with the fix.
+"""Stacked blocks (NOTE [stacked blocks] in fsdp_compile/stack.py, NOTE [unrolled stacks] in
+passes/unroll.py): a ``BlockStack`` computes what its blocks compute; Dynamo traces one block for all of
+them; the backend unrolls that trace into one call of one body per block, so the schedule is the
+outlined model's, block for block; the blocks stay ordinary units (names, state dicts, accumulation);
+misuse is refused with the fix.
 
 Numerics on gloo with 2 ranks against a single-process reference are in tests/test_numerics.py
-(``stacked``).
+(``stacked``, ``stacked-no-sync``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 import re
+import warnings
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache, run_and_get_code
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend, set_requires_gradient_sync
+from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, loss_fn
 from fsdp_compile.schedule import group_labels, listing
 from fsdp_compile.stack import BlockStack
-from passes.loops import loop_bodies, loop_bodies_pass
+from fsdp_compile.units import unit_of
+from passes.unroll import unroll_scans_pass
 
 from .graph_utils import SMALL, FakeWorldTestCase, capture, fake_process_group
 from .test_inductor_order import emitted_order, fx_order
+from .test_outline import MlpBlock, calls
 
-# Widths that differ from every activation's, so a saved gathered weight shows in the outputs' shapes.
 CFG = SMALL.with_(n_layers=3, dim=24, hidden_dim=40)
 
 
-def _stacked(cfg: Any = CFG, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
+def _llama(stacked: bool, cfg: Any = CFG) -> Transformer:
+    torch.manual_seed(0)
     model = Transformer(cfg)
-    model.layers = BlockStack(model.layers)  # type: ignore[assignment]
+    if stacked:
+        model.layers = BlockStack(model.layers)  # type: ignore[assignment]
     return model
 
 
@@ -51,41 +55,96 @@ def _loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     return loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
 
 
+def _shard(model: Transformer, groups: FsdpGroups) -> Transformer:
+    for block in model.layers:
+        fully_shard(block, groups=groups)
+    fully_shard(model, groups=groups)
+    return model
+
+
+def _dynamo_graphs(backend: Any) -> tuple[Any, list[fx.GraphModule]]:
+    """``backend`` wrapped so that a copy of each graph Dynamo hands it is kept (the wrapper is still
+    recognised as the backend the trace is for: NOTE [regions for our backend only])."""
+    seen: list[fx.GraphModule] = []
+
+    @functools.wraps(backend)
+    def spy(gm: fx.GraphModule, example: Any) -> Any:
+        seen.append(copy.deepcopy(gm))  # (the backend rewrites its graph in place)
+        return backend(gm, example)
+
+    return spy, seen
+
+
+class Stacks(nn.Module):
+    """A stack of ``MlpBlock`` (big enough to stay a call) between two linear layers."""
+
+    def __init__(self, n_layers: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.layers = BlockStack(MlpBlock(width) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(self.inp(x))
+
+
 # --- The stack computes what the blocks compute ---
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_a_stack_computes_what_its_blocks_compute(compiled: bool) -> None:
-    torch.manual_seed(0)
-    plain = Transformer(CFG)
-    stacked = _stacked()
-    assert [n for n, _ in stacked.layers.block.named_parameters()] == list(stacked.layers.names)
-    run = torch.compile(stacked, backend="aot_eager", fullgraph=True) if compiled else stacked
+@pytest.mark.parametrize("run", ["eager", "other-backend", "fsdp-backend"])
+def test_a_stack_computes_what_its_blocks_compute(run: str) -> None:
+    plain, stacked = _llama(False), _llama(True)
+    assert [n for n, _ in stacked.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    backend = {"eager": None, "other-backend": "aot_eager", "fsdp-backend": make_backend(inductor=False)}[run]
+    model = stacked if backend is None else torch.compile(stacked, backend=backend, fullgraph=True)
     tokens = _tokens()
-    loss, ref = _loss(run, tokens), _loss(plain, tokens)
+    loss, ref = _loss(model, tokens), _loss(plain, tokens)
     torch.testing.assert_close(loss, ref)
     loss.backward()
     ref.backward()
-    for name, p in stacked.layers.block.named_parameters():
-        want = torch.stack([blk.get_parameter(name).grad for blk in plain.layers])
-        torch.testing.assert_close(p.grad, want, msg=lambda m, name=name: f"{name}: {m}")
-    torch.testing.assert_close(stacked.tok_embeddings.weight.grad, plain.tok_embeddings.weight.grad)
+    grads = dict(plain.named_parameters())
+    for name, p in stacked.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_a_carry_that_needs_no_grad_still_gets_every_block_its_gradient() -> None:
-    """torch 2.11 drops the carry's gradient when the first carry does not require grad
-    (SCAN_NEEDS_FIRST_CARRY_GRAD in _compat_loops.py): every block but the last would get a wrong gradient."""
-    torch.manual_seed(0)
-    blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
-    h = torch.randn(4, 6)  # an input, not an activation: no grad
-    ref = h
-    for blk in blocks:
-        ref = blk(ref)
-    ref.sum().backward()
-    want = torch.stack([b[0].weight.grad for b in blocks])
-    stack = BlockStack(blocks)
-    torch.compile(stack, backend="aot_eager", fullgraph=True)(h).sum().backward()
-    torch.testing.assert_close(stack.block[0].weight.grad, want)
+def test_dynamo_traces_one_block_and_the_backend_calls_it_per_block() -> None:
+    """NOTE [stacked blocks]: Dynamo's graph holds one loop over the stacked parameters, whose body is
+    one block; the backend unrolls it (NOTE [unrolled stacks]) into a call of that body per block,
+    each reading its own block's parameters, with no stack left to build."""
+    stacked = _llama(True)
+    backend, seen = _dynamo_graphs(make_backend(inductor=False))
+    torch.compile(stacked, backend=backend, fullgraph=True)(_tokens()[:, :-1])
+    (gm,) = seen
+    scans = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)
+    assert len(scans) == 1 and not calls(gm)
+    assert len(gm.graph.find_nodes(op="call_function", target=torch.stack)) == 9  # one per parameter role
+    unrolled = unroll_scans_pass(gm)
+    assert not unrolled.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)
+    assert not unrolled.graph.find_nodes(op="call_function", target=torch.stack)
+    invokes = calls(unrolled)
+    assert len(invokes) == 3 and len({n.args[0].target for n in invokes}) == 1
+    placeholders = {n.name: i for i, n in enumerate(unrolled.graph.find_nodes(op="placeholder"))}
+    for block, call in enumerate(invokes):  # each call reads its own block's weights (graph inputs)
+        read = [a.name for a in call.args[3:] if isinstance(a, fx.Node) and a.name in placeholders
+                and "layers" in a.name]
+        assert len(read) == 9 and all(f"layers_modules_{block}_" in name for name in read), read
+
+
+def test_a_scan_over_a_tensor_it_did_not_stack_stays_a_loop() -> None:
+    """A user's own loop over time steps reads no sharded parameter: the pass leaves it alone."""
+    graphs: list[fx.GraphModule] = []
+
+    def keep(gm: fx.GraphModule, example: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def cumulative(xs: torch.Tensor) -> torch.Tensor:
+        out, _ = torch._higher_order_ops.scan(lambda c, x: (c + x, c.sum()), torch.zeros(3), xs)
+        return out
+
+    torch.compile(cumulative, backend=keep, fullgraph=True)(torch.randn(5, 3))
+    (gm,) = graphs
+    unroll_scans_pass(gm)
+    assert len(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)) == 1
 
 
 # --- Misuse ---
@@ -95,9 +154,10 @@ class _Other(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x)
+        return self.lin(x) * self.scale
 
 
 class _Shrinks(_Other):
@@ -105,7 +165,7 @@ class _Shrinks(_Other):
         return self.lin(x)[:, :2]
 
 
-def test_blocks_one_loop_cannot_stand_for_are_refused() -> None:
+def test_blocks_one_trace_cannot_stand_for_are_refused() -> None:
     with pytest.raises(ValueError, match="no blocks"):
         BlockStack([])
     with pytest.raises(ValueError, match="one kind of block"):
@@ -130,7 +190,33 @@ def test_blocks_one_loop_cannot_stand_for_are_refused() -> None:
         BlockStack([_Shrinks(), _Shrinks()])(torch.randn(2, 4))
 
 
-class StackMisuse(FakeWorldTestCase):
+def test_an_attribute_the_body_would_read_wrong_is_refused_unless_ignored() -> None:
+    """The compiled stack runs block 0's attributes for every block: one that differs is refused, named."""
+    scaled = _Other()
+    scaled.scale = 2.0
+    with pytest.raises(ValueError, match=r"attribute scale is 2.0, block 0's 1.0.*ignore_attributes=\['scale'\]"):
+        BlockStack([_Other(), scaled])
+    indexed = [_Other(), _Other()]
+    for i, block in enumerate(indexed):
+        block.lin.layer_idx = i  # read by a cache, not by this forward
+    BlockStack(indexed, ignore_attributes=["layer_idx"])
+
+
+class StackSharding(FakeWorldTestCase):
+    def test_each_block_is_a_unit_of_its_own_with_the_plain_models_names(self) -> None:
+        groups = FsdpGroups.create()
+        plain, stacked = _shard(_llama(False), groups), _shard(_llama(True), groups)
+        units = [unit_of(block) for block in stacked.layers]
+        assert all(u is not None and u.stacked and not u.outlined for u in units)
+        assert [u.index for u in units] == [0, 1, 2]  # type: ignore[union-attr]
+        assert list(get_model_state_dict(stacked)) == list(get_model_state_dict(plain))
+
+    def test_fully_shard_of_the_stack_shards_each_block(self) -> None:
+        groups = FsdpGroups.create()
+        stack = BlockStack(MlpBlock() for _ in range(2))
+        assert fully_shard(stack, groups=groups) is stack
+        assert unit_of(stack) is None and all(unit_of(b) is not None for b in stack)
+
     def test_sharding_refusals_name_the_fix(self) -> None:
         groups = FsdpGroups.create()
         blocks = [_Other(), _Other()]
@@ -138,205 +224,128 @@ class StackMisuse(FakeWorldTestCase):
         with self.assertRaisesRegex(ValueError, "build the BlockStack from plain blocks first"):
             BlockStack(blocks)
         stack = BlockStack([_Other(), _Other()])
-        with self.assertRaisesRegex(ValueError, "already runs its blocks as one loop"):
-            fully_shard(stack, groups=groups, outline=True)
-        fully_shard(stack, groups=groups)
-        with self.assertRaisesRegex(ValueError, "cannot accumulate full gradients without sync"):
-            set_requires_gradient_sync(stack, False)
-        with self.assertRaisesRegex(ValueError, "checkpoint functions do not convert them"):
-            get_model_state_dict(stack)
-
-    def test_each_shard_holds_its_rows_of_every_block(self) -> None:
-        groups = FsdpGroups.create()
-        torch.manual_seed(0)
-        blocks = [nn.Linear(5, 3) for _ in range(2)]  # weights of 3 rows: 2 per rank, the last one padding
-        full = torch.stack([b.weight.detach().clone() for b in blocks])
-        stack = fully_shard(BlockStack(blocks), groups=groups)
-        shard = stack.block.weight
-        assert shard.shape == (2, 2, 5)  # blocks, ceil(3 / 2) rows, columns
-        torch.testing.assert_close(shard, full[:, :2])  # rank 0's rows of each block
+        with self.assertRaisesRegex(ValueError, "compiled as one body already"):
+            fully_shard(stack[0], groups=groups, outline=True)
+        root = nn.Sequential(nn.Linear(4, 4), stack)
+        with self.assertRaisesRegex(ValueError, "block 1.0 of a BlockStack is not sharded yet"):
+            fully_shard(root, groups=groups)
+        inner = BlockStack([_Other(), _Other()])
+        fully_shard(inner[0].lin, groups=groups)
+        with self.assertRaisesRegex(ValueError, "call fully_shard on the block, not on modules inside it"):
+            fully_shard(inner[0], groups=groups)
+        unlike = BlockStack([_Other(), _Other()])
+        fully_shard(unlike[0], groups=groups)
+        with self.assertRaisesRegex(ValueError, "sharded unlike an earlier block"):
+            fully_shard(unlike[1], groups=groups, reshard_after_forward=False)
 
 
-# --- The schedule: collectives inside the loop body, the forward keeps shards ---
+# --- The schedule: the outlined model's, block for block ---
 
 
 class StackSchedule(FakeWorldTestCase):
-    def _graphs(self, **backend_kw: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    def _listings(self, stacked: bool, **backend_kw: Any) -> tuple[str, str]:
         groups = FsdpGroups.create()
-        model = _stacked()
-        fully_shard(model.layers, groups=groups)
-        fully_shard(model, groups=groups)
-        return capture(model, _tokens()[:, :-1], **backend_kw), group_labels(groups)
+        graphs = capture(_shard(_llama(stacked), groups), _tokens()[:, :-1], **backend_kw)
+        labels = group_labels(groups)
+        return listing(graphs["forward"], labels), listing(graphs["backward"], labels)
 
-    def _listing(self, gm: Any, labels: dict[str, str]) -> str:
-        parts = [listing(gm, labels)]
-        parts += [f"loop body:\n{listing(body, labels)}" for body in loop_bodies(gm)]
-        return "\n".join(parts)
-
-    def test_each_iteration_gathers_its_block_and_reduce_scatters_its_gradients(self) -> None:
-        graphs, labels = self._graphs()
-        self.assertExpectedInline(self._listing(graphs["forward"], labels), """\
-0  pack            unit 1  ag
-1  all_gather      unit 1  ag     all_gather      6240 B
-2  wait            unit 1  ag     all_gather
-3  unpack          unit 1  ag
-4  compute         embedding scan pow mean add rsqrt mul mm  (30 nodes)
-loop body:
-0  pack            unit 0  ag
-1  all_gather      unit 0  ag                     20928 B
-2  wait            unit 0  ag
-3  unpack          unit 0  ag
-4  compute         pow mean add rsqrt mul mm slice_copy sub _scaled_dot_product_flash_attention_for_cpu neg exp div  (86 nodes)""")
-        self.assertExpectedInline(self._listing(graphs["backward"], labels), """\
+    def test_the_stack_schedules_its_blocks_as_outlined_units(self) -> None:
+        """Every block gathers ahead of its call (prefetch) and reduce-scatters right after its backward
+        call, overlapping the next block's, exactly as the outlined blocks of an nn.ModuleList do."""
+        forward, backward = self._listings(stacked=True)
+        outlined = self._listings(stacked=False)
+        body = re.compile(r"call \w+")
+        self.assertEqual((body.sub("call", forward), body.sub("call", backward)),
+                         tuple(body.sub("call", s) for s in outlined))
+        self.assertExpectedInline(forward, """\
+0  pack            unit 3  ag
+1  all_gather      unit 3  ag     all_gather      6240 B
+2  pack            unit 0  ag
+3  all_gather      unit 0  ag     all_gather      20928 B
+4  wait            unit 3  ag     all_gather
+5  unpack          unit 3  ag
+6  compute         embedding  (1 nodes)
+7  pack            unit 1  ag
+8  all_gather      unit 1  ag     all_gather      20928 B
+9  wait            unit 0  ag     all_gather
+10 compute         call fw_unrolled_scan_combine_fn_0_0  (16 nodes)
+11 pack            unit 2  ag
+12 all_gather      unit 2  ag     all_gather      20928 B
+13 wait            unit 1  ag     all_gather
+14 compute         call fw_unrolled_scan_combine_fn_0_0  (16 nodes)
+15 wait            unit 2  ag     all_gather
+16 compute         call fw_unrolled_scan_combine_fn_0_0 pow mean add rsqrt mul mm  (26 nodes)""")
+        self.assertExpectedInline(backward, """\
 0  compute         mm  (3 nodes)
-1  pack            unit 1  ag
-2  all_gather      unit 1  ag     all_gather      3168 B
-3  wait            unit 1  ag     all_gather
-4  unpack          unit 1  ag
-5  compute         mm mul sum pow div add countdown scan rev ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (51 nodes)
-6  pack            unit 1  rs
-7  reduce_scatter  unit 1  rs     reduce_scatter  6240 B
-8  wait            unit 1  rs     reduce_scatter
-9  unpack          unit 1  rs
-loop body:
-0  compute         _local_scalar_dense ge _assert_scalar le lt mm  (36 nodes)
-1  pack            unit 0  ag
-2  all_gather      unit 0  ag                     20928 B
-3  wait            unit 0  ag
-4  unpack          unit 0  ag
-5  compute         mm neg exp add div mul sigmoid sub sum pow _scaled_dot_product_flash_attention_for_cpu_backward slice_scatter  (131 nodes)
-6  pack            unit 0  rs
-7  reduce_scatter  unit 0  rs                     20928 B
-8  wait            unit 0  rs
-9  unpack          unit 0  rs""")
+1  pack            unit 3  ag
+2  all_gather      unit 3  ag     all_gather      3168 B
+3  pack            unit 2  ag
+4  all_gather      unit 2  ag     all_gather      20928 B
+5  wait            unit 3  ag     all_gather
+6  unpack          unit 3  ag
+7  compute         mm mul sum pow div add  (21 nodes)
+8  pack            unit 1  ag
+9  all_gather      unit 1  ag     all_gather      20928 B
+10 wait            unit 2  ag     all_gather
+11 compute         call bw_unrolled_scan_combine_fn_0_0  (3 nodes)
+12 reduce_scatter  unit 2  rs     reduce_scatter  20928 B
+13 pack            unit 0  ag
+14 all_gather      unit 0  ag     all_gather      20928 B
+15 wait            unit 1  ag     all_gather
+16 compute         call bw_unrolled_scan_combine_fn_0_0  (3 nodes)
+17 reduce_scatter  unit 1  rs     reduce_scatter  20928 B
+18 wait            unit 0  ag     all_gather
+19 compute         call bw_unrolled_scan_combine_fn_0_0  (3 nodes)
+20 wait            unit 2  rs     reduce_scatter
+21 unpack          unit 2  rs
+22 reduce_scatter  unit 0  rs     reduce_scatter  20928 B
+23 compute         ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (8 nodes)
+24 wait            unit 1  rs     reduce_scatter
+25 unpack          unit 1  rs
+26 pack            unit 3  rs
+27 reduce_scatter  unit 3  rs     reduce_scatter  6240 B
+28 wait            unit 0  rs     reduce_scatter
+29 wait            unit 3  rs     reduce_scatter
+30 unpack          unit 0  rs
+31 unpack          unit 3  rs""")
 
-    def test_the_forward_keeps_each_blocks_shards_not_its_gathered_weights(self) -> None:
-        """NOTE [stacked blocks]: the body's unshards are recomputed in backward (resharding after
-        forward), so no (blocks, *full weight shape) tensor is saved."""
-        graphs, _ = self._graphs()
-        (out,) = graphs["forward"].graph.find_nodes(op="output")
-        saved = {tuple(o.meta["val"].shape) for o in out.args[0] if isinstance(o, torch.fx.Node)}
-        d, f, n = CFG.dim, CFG.ffn_dim, CFG.n_layers
-        assert not saved & {(n, d, d), (n, f, d), (n, d, f)}, saved
-        assert {(n, d // 2, d), (n, f // 2, d), (n, d // 2, f)} <= saved  # each block's shards
+    def test_without_outlining_the_stack_is_the_whole_graph(self) -> None:
+        """``make_backend(outline=False)``: the blocks run one by one, inline, as in an nn.ModuleList."""
+        stacked, plain = self._listings(stacked=True, outline=False), self._listings(stacked=False, outline=False)
+        self.assertEqual(stacked, plain)
+        assert "call" not in "".join(stacked)
 
-    def test_the_backward_loop_reads_each_blocks_saved_values_in_place(self) -> None:
-        """NOTE [a loop's backward in place]: nothing the forward saves is reversed (torch's own scan
-        backward flips each saved stack); the backward loop runs over the block numbers from the last
-        down and views each saved stack's row, and only the shards' gradients are flipped, once."""
-        graphs, _ = self._graphs()
-        flips = {torch.ops.aten.flip.default, torch.ops.prims.rev.default}
-
-        def count(gm: Any, targets: set[Any]) -> int:
-            return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
-
-        assert count(graphs["forward"], flips) == 0
-        backward = graphs["backward"]
-        assert count(backward, flips) == len(_stacked().layers.names)  # the gradient of each shard stack
-        assert count(backward, {torch.ops.fsdp_loop.countdown.default}) == 1
-        (body,) = loop_bodies(backward)
-        assert count(body, flips) == 0
-        assert count(body, {torch.ops.aten._local_scalar_dense.default}) == 1  # the block number, on the host
-        rows = [n for n in body.graph.nodes if n.target is torch.ops.aten.select.int
-                and n.args[0].op == "placeholder" and isinstance(n.args[2], torch.fx.Node)]
-        assert len(rows) > len(_stacked().layers.names)  # every saved stack, shards included
-
-    def test_inductor_keeps_the_bodys_collectives_in_order(self) -> None:
-        """The order in Inductor's code, of the loop body's function and of the graph around the loop,
-        is the scheduled FX graphs' (NOTE [pinning the schedule])."""
+    def test_a_block_accumulating_without_sync_runs_the_blocks_one_by_one(self) -> None:
+        """NOTE [no-sync]: each block's reads then pass its own accumulator, which one trace of block 0
+        cannot; the stack runs its blocks in turn (no reduce-scatter of the blocks at all)."""
         groups = FsdpGroups.create()
-        model = _stacked()
-        fully_shard(model.layers, groups=groups)
+        model = _shard(_llama(True), groups)
+        model.layers[1].set_requires_gradient_sync(False)
+        backend, seen = _dynamo_graphs(make_backend(inductor=False))
+        with observe_graphs() as graphs:
+            _loss(torch.compile(model, backend=backend, fullgraph=True), _tokens()).backward()
+        (gm,) = seen
+        assert not gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)
+        backward = listing(dict(graphs)["backward"], group_labels(groups))
+        assert "unit 1  rs" not in backward and "unit 0  rs" in backward
+
+    def test_inductor_keeps_the_order_of_the_calls_and_collectives(self) -> None:
+        """The order in Inductor's code is the scheduled FX graphs' (NOTE [pinning the schedule])."""
+        groups = FsdpGroups.create()
+        torch.manual_seed(0)
+        model = Stacks()
+        for block in model.layers:
+            fully_shard(block, groups=groups)
         fully_shard(model, groups=groups)
-        compiled = torch.compile(model, backend=make_backend(check_agreement=False), fullgraph=True)
-        with fresh_cache(), observe_graphs() as seen:
-            _, (forward, backward) = run_and_get_code(lambda: _loss(compiled, _tokens()).backward())
-        graphs = dict(seen)
-        for code, kind in ((forward, "forward"), (backward, "backward")):
-            parts = _functions(code)
-            (body,) = [name for name in parts if name.startswith("while_loop_body")]
-            # Inductor decomposed the observed graph's scan in place: a while_loop's condition and body
-            (fx_body,) = [b for b in loop_bodies(graphs[kind]) if fx_order(b)]
-            self.assertEqual(emitted_order(parts[body]), fx_order(fx_body), kind)
-            self.assertEqual(emitted_order(parts["call"]), fx_order(graphs[kind]), kind)
-            assert "while should_loop" in parts["call"], "the blocks run as one loop"
-        self.assertEqual(emitted_order(_functions(backward)[body]),
-                         ["all_gather", "wait all_gather", "reduce_scatter", "wait reduce_scatter"])
+        compiled = torch.compile(model, backend=make_backend(), fullgraph=True)
+        with observe_graphs() as seen:
+            _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 8, requires_grad=True)).sum().backward())
+        fx = [fx_order(gm) for _, gm in seen]
+        self.assertEqual([o.count("call") for o in fx], [3, 3])
+        self.assertEqual([emitted_order(c) for c in codes], fx)
 
 
-def _functions(code: str) -> dict[str, str]:
-    """Inductor's generated module by function: each ``def name(`` at the top level, and ``call``."""
-    out: dict[str, list[str]] = {}
-    current = "(module)"
-    for line in code.splitlines():
-        m = re.match(r"^def (\w+)\(|^    def (call)\(", line)
-        if m:
-            current = m.group(1) or m.group(2)
-        out.setdefault(current, []).append(line)
-    return {name: "\n".join(lines) for name, lines in out.items()}
-
-
-def test_loop_bodies_pass_runs_each_pass_in_each_body_only() -> None:
-    """The pass on a graph traced without any process group: one scan, whose body the passes see."""
-    seen: list[torch.fx.GraphModule] = []
-
-    def note(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        seen.append(gm)
-        return gm
-
-    graphs: list[torch.fx.GraphModule] = []
-
-    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append(gm)
-        return gm.forward
-
-    stack = BlockStack([nn.Linear(4, 4) for _ in range(3)])
-    torch.compile(stack, backend=keep, fullgraph=True)(torch.randn(2, 4))
-    (gm,) = graphs
-    bodies = list(loop_bodies(gm))
-    assert len(bodies) == 1 and bodies[0] is not gm
-    assert loop_bodies_pass(gm, passes=[note, note]) is gm
-    assert seen == [bodies[0], bodies[0]]
-
-
-def _efficient_attention_step(dropout: float) -> torch.fx.GraphModule:
-    """An attention forward and backward as a loop body's joint graph holds them (CUDA's kernel; traced
-    with fake tensors, so no GPU is needed)."""
-    aten = torch.ops.aten
-
-    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> Any:
-        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout)
-        return aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, None, out, lse, seed, offset, dropout, [True, True, True, False]
-        )
-
-    return make_fx(step, tracing_mode="fake")(*[torch.randn(1, 2, 8, 4) for _ in range(4)])
-
-
-def test_a_loop_body_does_not_carry_the_attention_seed_to_backward() -> None:
-    """NOTE [attention seeds in a loop]: without dropout, the backward reads a CPU zero made in place of
-    the seed and offset (never saved: the loop would stack them with a GPU copy of a CPU scalar); with
-    dropout the compile stops with the fix."""
-    from fsdp_compile.partition import tag_loop_body
-
-    joint = _efficient_attention_step(0.0)
-    tag_loop_body(joint)
-    (backward,) = joint.graph.find_nodes(
-        op="call_function", target=torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
-    )
-    seeds = backward.args[7:9]
-    assert [s.target for s in seeds] == [torch.ops.aten.zeros.default] * 2  # type: ignore[union-attr]
-    assert all(s.kwargs["device"] == torch.device("cpu") for s in seeds)  # type: ignore[union-attr]
-    assert all(s.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE for s in seeds)  # type: ignore[union-attr]
-    (forward,) = joint.graph.find_nodes(
-        op="call_function", target=torch.ops.aten._scaled_dot_product_efficient_attention.default
-    )
-    assert sorted(u.args[1] for u in forward.users) == [0, 1]
-    with pytest.raises(ValueError, match="set the attention's dropout to 0"):
-        tag_loop_body(_efficient_attention_step(0.1))
-
-
-# --- Warm start (NOTE [caching loops]) ---
+# --- Warm start ---
 
 
 @contextlib.contextmanager
@@ -352,19 +361,18 @@ def _world() -> Any:
 def _cached_step(groups: FsdpGroups, cfg: Any = CFG) -> dict[str, int]:
     torch._dynamo.reset()
     counters["aot_autograd"].clear()
-    model = _stacked(cfg)
-    fully_shard(model.layers, groups=groups)
-    fully_shard(model, groups=groups)
+    model = _shard(_llama(True, cfg), groups)
     _loss(torch.compile(model, backend=make_backend(), fullgraph=True), _tokens()).backward()
     return {k.removeprefix("autograd_cache_"): int(v) for k, v in counters["aot_autograd"].items()
             if k.startswith("autograd_cache_")}
 
 
-def test_a_warm_start_loads_the_loop_and_a_different_body_compiles_again() -> None:
-    with fresh_cache(), _world() as groups:
+def test_a_warm_start_loads_the_stack_and_a_different_block_compiles_again() -> None:
+    with fresh_cache(), _world() as groups, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         assert _cached_step(groups) == {"miss": 1, "saved": 1}
         assert _cached_step(groups) == {"hit": 1}
-        # Only the body differs (its norm's epsilon): the key must see inside the loop.
+        # Only the block differs (its norm's epsilon): the key must see inside the body.
         assert _cached_step(groups, CFG.with_(norm_eps=1e-3)) == {"miss": 1, "saved": 1}
 
 

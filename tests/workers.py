@@ -112,7 +112,7 @@ class HuggingFace(nn.Module):
 
 
 def stacked_llama(cfg: ModelConfig) -> Transformer:
-    """The Llama with its blocks in a :class:`BlockStack` (one loop when compiled)."""
+    """The Llama with its blocks in a :class:`BlockStack` (traced once when compiled)."""
     model = Transformer(cfg)
     model.layers = BlockStack(model.layers)  # type: ignore[assignment]
     return model
@@ -182,8 +182,8 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def shard_model(model: nn.Module, groups: FsdpGroups, root_kw: dict[str, Any] | None = None, **kw: Any) -> nn.Module:
-    """Blocks first (a stack as one unit), then the root."""
-    for block in [model.layers] if isinstance(model.layers, BlockStack) else model.layers:  # type: ignore[union-attr]
+    """Blocks first (each a unit, also in a BlockStack), then the root."""
+    for block in model.layers:  # type: ignore[union-attr]
         fully_shard(block, groups=groups, **kw)
     fully_shard(model, groups=groups, **(kw if root_kw is None else root_kw))
     return model
@@ -256,12 +256,8 @@ def sharded_grads(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def ref_slice(full: Tensor, rank: int, world: int, stacked: bool = False) -> Tensor:
-    """The rows of ``full`` that ``rank`` holds, padded with zeros as the shard is; ``stacked``: of each
-    block's slice of ``full`` (NOTE [stacked blocks])."""
-    if stacked:
-        blocks = full.reshape(full.shape[0], *(full.shape[1:] or (1,)))
-        return torch.stack([ref_slice(b, rank, world) for b in blocks])
+def ref_slice(full: Tensor, rank: int, world: int) -> Tensor:
+    """The rows of ``full`` that ``rank`` holds, padded with zeros as the shard is."""
     full = full.reshape(1) if full.dim() == 0 else full
     rows = -(-full.shape[0] // world)
     padded = full.new_zeros(rows * world, *full.shape[1:])
@@ -310,13 +306,12 @@ def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
             dist.all_reduce(total)
             losses.append(total.item() / world)
     ref_losses, ref_grads = reference_run(case, batches)
-    stacked = {sp.fqn for m in model.modules() if (u := unit_of(m)) is not None and u.stacked for sp in u.params}
     groups.destroy()
     return {
         "losses": losses,
         "ref_losses": ref_losses,
         "grads0": grads0,
-        "ref_grads0": {n: ref_slice(ref_grads[n], shard_rank, shard_world, n in stacked) for n in grads0},
+        "ref_grads0": {n: ref_slice(ref_grads[n], shard_rank, shard_world) for n in grads0},
         "ref_grad_names": sorted(ref_grads),
         "warnings": [str(w.message) for w in caught],
         "reduce_scatters": scatters,

@@ -309,6 +309,21 @@ class StackSchedule(FakeWorldTestCase):
 30 unpack          unit 0  rs
 31 unpack          unit 3  rs""")
 
+    def test_training_compiles_once(self) -> None:
+        """No guard of the stack's trace (the shards it stacks, its blocks' sync state) fails between
+        optimizer steps: forward and backward compile at step 1 and never again."""
+        model = _shard(_llama(True), FsdpGroups.create())
+        compiled = torch.compile(model, backend=make_backend(inductor=False))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        counts = []
+        for _ in range(3):
+            with observe_graphs() as seen:
+                _loss(compiled, _tokens()).backward()
+                opt.step()
+                opt.zero_grad()
+            counts.append(len(seen))
+        self.assertEqual(counts, [2, 0, 0])
+
     def test_without_outlining_the_stack_is_the_whole_graph(self) -> None:
         """``make_backend(outline=False)``: the blocks run one by one, inline, as in an nn.ModuleList."""
         stacked, plain = self._listings(stacked=True, outline=False), self._listings(stacked=False, outline=False)

@@ -22,7 +22,6 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import fx
 

@@ -24,7 +24,7 @@ from .grads import ShardGrad, as_shard_grad
 from .groups import FsdpGroups
 from .module import FsdpModule, forward_of, mix_in
 from .ops import ANONYMOUS_UNIT, shard_rows
-from .stack import BlockStack, add_sharded_block, stack_of
+from .stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
 from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of
 
 __all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "local_shard", "unit_of"]
@@ -244,7 +244,7 @@ def fully_shard(
     if stack is not None and outline:
         raise ValueError(f"fully_shard({unit_name}): outline=True, but this block belongs to a BlockStack, whose blocks "
                          "are compiled as one body already (NOTE [stacked blocks]); leave outline=None.")
-    _check_stacks_sharded(module, unit_name)
+    check_stacks_sharded(module, unit_name)
     # Which (owner, name, param) does this unit take? Everything not managed yet; a param that an
     # earlier unit manages may only appear here behind that unit's parametrization.
     new: list[tuple[nn.Module, str, nn.Parameter]] = []
@@ -297,20 +297,6 @@ def fully_shard(
     if stack is not None:
         add_sharded_block(stack, module, unit)
     return _register_unit(module, unit, mp_policy)
-
-
-def _check_stacks_sharded(module: nn.Module, unit_name: str) -> None:
-    """A unit may not take a BlockStack's parameters: each block is a unit of its own (NOTE [stacked
-    blocks]), sharded before any module around the stack."""
-    for name, inner in module.named_modules():
-        if isinstance(inner, BlockStack):
-            loose = [i for i, block in enumerate(inner) if block not in _units]
-            if loose:
-                where = f"{name}.{loose[0]}" if name else str(loose[0])
-                raise ValueError(
-                    f"fully_shard({unit_name}): block {where} of a BlockStack is not sharded yet; each block of a "
-                    "stack is a unit of its own: call fully_shard on the blocks first (for block in stack: "
-                    "fully_shard(block, groups=groups), or fully_shard(stack, groups=groups)), then the root.")
 
 
 def _register_unit(module: nn.Module, unit: Unit, mp_policy: MixedPrecisionPolicy) -> nn.Module:

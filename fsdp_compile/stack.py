@@ -41,7 +41,7 @@ from ._compat import scan
 from .module import outlining
 from .units import ShardedParam, Unit, _units
 
-__all__ = ["BlockStack", "stack_of"]
+__all__ = ["BlockStack", "add_sharded_block", "check_stacks_sharded", "stack_of"]
 
 # Block -> the stack holding it (weakly both ways: the stack holds its blocks).
 _stacks: weakref.WeakKeyDictionary[nn.Module, weakref.ref[BlockStack]] = weakref.WeakKeyDictionary()
@@ -68,13 +68,19 @@ class BlockStack(nn.ModuleList):
     def __init__(self, blocks: Iterable[nn.Module], *, ignore_attributes: Iterable[str] = ()) -> None:
         blocks = list(blocks)
         _check_alike(blocks, frozenset(ignore_attributes))
-        super().__init__(blocks)
+        super().__init__()
+        nn.ModuleList.extend(self, blocks)  # (the stack's own extend refuses: its blocks are fixed)
         first = blocks[0]
         self.roles: tuple[str, ...] = tuple(n for n, _ in first.named_parameters())
         self.buffer_roles: tuple[str, ...] = tuple(n for n, _ in first.named_buffers())
         # Set by fully_shard, per block: its ShardedParam of each role (NOTE [stacked blocks]).
         self.shards: list[tuple[ShardedParam, ...] | None] = [None] * len(blocks)
         for block in blocks:
+            _stacks[block] = weakref.ref(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy's blocks are its own (deepcopy, pickle)
+        super().__setstate__(state)
+        for block in self:
             _stacks[block] = weakref.ref(self)
 
     def forward(self, h: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -119,6 +125,12 @@ class BlockStack(nn.ModuleList):
     def extra_repr(self) -> str:
         return f"{len(self)} x {type(self[0]).__name__}, traced once when compiled"
 
+    def _fixed(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("BlockStack: a stack's blocks are fixed when it is built (it checked them alike and "
+                        "sharding records each one); build a new BlockStack from the blocks you want.")
+
+    append = extend = insert = pop = __setitem__ = __delitem__ = __iadd__ = _fixed
+
 
 def _accumulating(unit: Unit) -> bool:
     """A unit whose reads pass accumulators (NOTE [no-sync] in ``accumulate.py``)."""
@@ -148,6 +160,20 @@ def add_sharded_block(stack: BlockStack, block: nn.Module, unit: Unit) -> None:
                              "reshard_after_forward or mp_policy differ); a stack's blocks are compiled as one body: "
                              "shard them alike.")
     stack.shards[index] = tuple(by_name[r] for r in stack.roles)
+
+
+def check_stacks_sharded(module: nn.Module, unit_name: str) -> None:
+    """A unit may not take a BlockStack's parameters: each block is a unit of its own (NOTE [stacked
+    blocks]), sharded before any module around the stack."""
+    for name, inner in module.named_modules():
+        if isinstance(inner, BlockStack):
+            loose = [i for i, block in enumerate(inner) if block not in _units]
+            if loose:
+                where = f"{name}.{loose[0]}" if name else str(loose[0])
+                raise ValueError(
+                    f"fully_shard({unit_name}): block {where} of a BlockStack is not sharded yet; each block of a "
+                    "stack is a unit of its own: call fully_shard on the blocks first (for block in stack: "
+                    "fully_shard(block, groups=groups), or fully_shard(stack, groups=groups)), then the root.")
 
 
 def _bad_output(block: nn.Module, h: Tensor, out: object) -> str:

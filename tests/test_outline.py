@@ -9,7 +9,7 @@ import warnings
 import torch
 from torch import fx, nn
 
-from fsdp_compile import FsdpGroups, fully_shard, make_backend
+from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, loss_fn
 from fsdp_compile.module import OUTLINES

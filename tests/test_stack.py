@@ -28,7 +28,7 @@ from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_bac
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, loss_fn
 from fsdp_compile.schedule import group_labels, listing
-from fsdp_compile.stack import BlockStack
+from fsdp_compile.stack import BlockStack, stack_of
 from fsdp_compile.units import unit_of
 from passes.unroll import unroll_scans_pass
 
@@ -188,6 +188,8 @@ def test_blocks_one_trace_cannot_stand_for_are_refused() -> None:
         BlockStack([tied])
     with pytest.raises(TypeError, match="must return a tensor like its first argument"):
         BlockStack([_Shrinks(), _Shrinks()])(torch.randn(2, 4))
+    with pytest.raises(TypeError, match="blocks are fixed"):
+        BlockStack([_Other(), _Other()]).append(_Other())
 
 
 def test_an_attribute_the_body_would_read_wrong_is_refused_unless_ignored() -> None:
@@ -210,6 +212,13 @@ class StackSharding(FakeWorldTestCase):
         assert all(u is not None and u.stacked and not u.outlined for u in units)
         assert [u.index for u in units] == [0, 1, 2]  # type: ignore[union-attr]
         assert list(get_model_state_dict(stacked)) == list(get_model_state_dict(plain))
+
+    def test_a_copy_of_a_stack_owns_its_blocks(self) -> None:
+        stack = BlockStack(MlpBlock() for _ in range(2))
+        twin = copy.deepcopy(stack)
+        assert stack_of(twin[1]) is twin and stack_of(stack[1]) is stack
+        fully_shard(twin, groups=FsdpGroups.create())
+        assert all(unit_of(b).stacked for b in twin) and all(s is not None for s in twin.shards)  # type: ignore[union-attr]
 
     def test_fully_shard_of_the_stack_shards_each_block(self) -> None:
         groups = FsdpGroups.create()

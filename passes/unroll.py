@@ -57,6 +57,10 @@ def _fake(fn: Callable[..., Any], value: Any) -> Any:
         return fn(value)
 
 
+def _like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
 def _stacked_from(node: fx.Node) -> list[fx.Node] | None:
     """``torch.stack([t0, t1, ...])`` (along dim 0): the tensors a stack was built from."""
     if node.op != "call_function" or node.target is not torch.stack:
@@ -94,7 +98,7 @@ def _unroll(gm: fx.GraphModule, scan: fx.Node, identifier: str) -> None:
         for i in range(length):
             body = graph.get_attr(str(attr.target))
             call = graph.call_function(_invoke_subgraph, (body, identifier, *carry, *[r[i] for r in rows], *additional))
-            call.meta["example_value"] = (*carry_values, *y_values)
+            call.meta["example_value"] = tuple(_fake(_like, v) for v in (*carry_values, *y_values))  # each its own
             outs = [_with_example(graph.call_function(operator.getitem, (call, k)), v)
                     for k, v in enumerate(call.meta["example_value"])]
             carry = outs[:n_carry]

@@ -62,8 +62,7 @@ def _traced_unshard(p: ShardedParam, shard: Tensor) -> Tensor:
 
 def _accumulator(p: ShardedParam) -> Tensor | None:
     """The leaf a read passes while its unit accumulates without sync (NOTE [no-sync]), else ``None``."""
-    unit = p.unit
-    return p.accumulator if (not unit.requires_grad_sync or unit.pending) else None
+    return p.accumulator if p.unit.accumulating else None
 
 
 def _traced_property(name: str, original: property) -> property:

@@ -120,7 +120,7 @@ class BlockStack(nn.ModuleList):
             raise ValueError(f"BlockStack: block {missing} is not sharded while block {sharded.index(True)} is; "
                              "shard every block of a stack (for block in stack: fully_shard(block, groups=groups)), "
                              "or none.")
-        return not any(_accumulating(shards[0].unit) for shards in self.shards if shards is not None)
+        return not any(shards[0].unit.accumulating for shards in self.shards if shards is not None)
 
     def extra_repr(self) -> str:
         return f"{len(self)} x {type(self[0]).__name__}, traced once when compiled"
@@ -130,11 +130,6 @@ class BlockStack(nn.ModuleList):
                         "sharding records each one); build a new BlockStack from the blocks you want.")
 
     append = extend = insert = pop = __setitem__ = __delitem__ = __iadd__ = _fixed
-
-
-def _accumulating(unit: Unit) -> bool:
-    """A unit whose reads pass accumulators (NOTE [no-sync] in ``accumulate.py``)."""
-    return not unit.requires_grad_sync or unit.pending
 
 
 def _original(role: str) -> str:

@@ -54,6 +54,12 @@ class Unit:
     flush_queued: bool = False
 
     @property
+    def accumulating(self) -> bool:
+        """Whether its reads pass accumulators: it does not sync, or holds gradients not reduced yet (NOTE
+        [no-sync] in ``accumulate.py``)."""
+        return not self.requires_grad_sync or self.pending
+
+    @property
     def module(self) -> nn.Module:
         module = self.module_ref()
         assert module is not None, "a unit outlived its module"

@@ -32,7 +32,7 @@ from fsdp_compile.stack import BlockStack, stack_of
 from fsdp_compile.units import unit_of
 from passes.unroll import unroll_scans_pass
 
-from .graph_utils import SMALL, FakeWorldTestCase, capture, fake_process_group
+from .graph_utils import SMALL, FakeWorldTestCase, capture, fake_process_group, shard_blocks_then_root
 from .test_inductor_order import emitted_order, fx_order
 from .test_outline import MlpBlock, calls
 
@@ -53,13 +53,6 @@ def _tokens() -> torch.Tensor:
 
 def _loss(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     return loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-
-
-def _shard(model: Transformer, groups: FsdpGroups) -> Transformer:
-    for block in model.layers:
-        fully_shard(block, groups=groups)
-    fully_shard(model, groups=groups)
-    return model
 
 
 def _dynamo_graphs(backend: Any) -> tuple[Any, list[fx.GraphModule]]:
@@ -214,7 +207,7 @@ def test_an_attribute_the_body_would_read_wrong_is_refused_unless_ignored() -> N
 class StackSharding(FakeWorldTestCase):
     def test_each_block_is_a_unit_of_its_own_with_the_plain_models_names(self) -> None:
         groups = FsdpGroups.create()
-        plain, stacked = _shard(_llama(False), groups), _shard(_llama(True), groups)
+        plain, stacked = shard_blocks_then_root(_llama(False), groups), shard_blocks_then_root(_llama(True), groups)
         units = [unit_of(block) for block in stacked.layers]
         assert all(u is not None and u.stacked and not u.outlined for u in units)
         assert [u.index for u in units] == [0, 1, 2]  # type: ignore[union-attr]
@@ -262,10 +255,7 @@ class StackSchedule(FakeWorldTestCase):
     def _listings(self, stacked: bool, **backend_kw: Any) -> tuple[str, str]:
         groups = FsdpGroups.create()
         torch.manual_seed(0)
-        model = Stacks(stacked=stacked)
-        for block in model.layers:
-            fully_shard(block, groups=groups)
-        fully_shard(model, groups=groups)
+        model = shard_blocks_then_root(Stacks(stacked=stacked), groups)
         graphs = capture(model, torch.randn(4, 8, requires_grad=True), **backend_kw)
         labels = group_labels(groups)
         return listing(graphs["forward"], labels), listing(graphs["backward"], labels)
@@ -338,7 +328,7 @@ class StackSchedule(FakeWorldTestCase):
         """NOTE [no-sync]: each block's reads then pass its own accumulator, which one trace of block 0
         cannot; the stack runs its blocks in turn (no reduce-scatter of the blocks at all)."""
         groups = FsdpGroups.create()
-        model = _shard(_llama(True), groups)
+        model = shard_blocks_then_root(_llama(True), groups)
         model.layers[1].set_requires_gradient_sync(False)
         backend, seen = _dynamo_graphs(make_backend(inductor=False))
         with observe_graphs() as graphs:
@@ -352,10 +342,7 @@ class StackSchedule(FakeWorldTestCase):
         """The order in Inductor's code is the scheduled FX graphs' (NOTE [pinning the schedule])."""
         groups = FsdpGroups.create()
         torch.manual_seed(0)
-        model = Stacks()
-        for block in model.layers:
-            fully_shard(block, groups=groups)
-        fully_shard(model, groups=groups)
+        model = shard_blocks_then_root(Stacks(), groups)
         compiled = torch.compile(model, backend=make_backend(), fullgraph=True)
         with observe_graphs() as seen:
             _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 8, requires_grad=True)).sum().backward())
@@ -380,7 +367,7 @@ def _world() -> Any:
 def _cached_step(groups: FsdpGroups, cfg: Any = CFG) -> dict[str, int]:
     torch._dynamo.reset()
     counters["aot_autograd"].clear()
-    model = _shard(_llama(True, cfg), groups)
+    model = shard_blocks_then_root(_llama(True, cfg), groups)
     _loss(torch.compile(model, backend=make_backend(), fullgraph=True), _tokens()).backward()
     return {k.removeprefix("autograd_cache_"): int(v) for k, v in counters["aot_autograd"].items()
             if k.startswith("autograd_cache_")}

@@ -37,11 +37,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
 
-from ._compat import scan
+from ._compat import scan, scan_example_values_without_autograd
 from .module import outlining
 from .units import ShardedParam, Unit, _units
 
 __all__ = ["BlockStack", "add_sharded_block", "check_stacks_sharded", "stack_of"]
+
+scan_example_values_without_autograd(outlining)  # NOTE [scan example values] in _compat.py
 
 # Block -> the stack holding it (weakly both ways: the stack holds its blocks).
 _stacks: weakref.WeakKeyDictionary[nn.Module, weakref.ref[BlockStack]] = weakref.WeakKeyDictionary()

@@ -129,6 +129,46 @@ def test_dynamo_traces_one_block_and_the_backend_calls_it_per_block() -> None:
         assert len(read) == 9 and all(f"layers_modules_{block}_" in name for name in read), read
 
 
+def _joint_graphs_built(run: Any) -> int:
+    """How many joint graphs scan's autograd kernel builds while ``run()`` runs."""
+    from torch._higher_order_ops.partitioner import HopGraphMinCutPartitioner
+
+    built = []
+    original = HopGraphMinCutPartitioner.create_partitioned_graph
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        built.append(1)
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HopGraphMinCutPartitioner, "create_partitioned_graph", staticmethod(counting))
+        run()
+    return len(built)
+
+
+def test_dynamo_gets_the_stacks_values_without_its_joint_graph() -> None:
+    """NOTE [scan example values]: for our backend, Dynamo's fake run of the stack's loop builds no joint
+    graph (the backend unrolls the loop before AOTAutograd), and the loop's value still says it needs a
+    gradient (the loss's backward reaches every block); another backend's trace of a scan that needs
+    gradients still gets torch's own kernel."""
+    stacked = _llama(True)
+    backend, seen = _dynamo_graphs(make_backend(inductor=False))
+    model = torch.compile(stacked, backend=backend, fullgraph=True)
+    out: list[torch.Tensor] = []
+    assert _joint_graphs_built(lambda: out.append(_loss(model, _tokens()))) == 0
+    (gm,) = seen
+    (scan,) = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)
+    assert scan.meta["example_value"][0].requires_grad
+    out[0].backward()
+    assert all(p.grad is not None for p in stacked.layers.parameters())
+
+    def cumulative(w: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        return torch._higher_order_ops.scan(lambda c, x: (c * w + x, c * 2.0), torch.zeros(3), xs)[0]
+
+    w = torch.ones(3, requires_grad=True)
+    assert _joint_graphs_built(lambda: torch.compile(cumulative, backend="eager")(w, torch.randn(5, 3))) > 0
+
+
 def test_a_scan_over_a_tensor_it_did_not_stack_stays_a_loop() -> None:
     """A user's own loop over time steps reads no sharded parameter: the pass leaves it alone."""
     graphs: list[fx.GraphModule] = []

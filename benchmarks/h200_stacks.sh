@@ -9,7 +9,9 @@
 #   step     full training step (AdamW), outlined against stacked, 16 blocks, alternated rounds;
 #   bound    the same at a GPU-bound shape: 4 x D=4096, 2x2048 tokens;
 #   peers    training step beside SimpleFSDP and FSDP2 + compile (collectives elided at world 1), 16 blocks;
-#   cudatest tests/test_cuda.py (stacked and outlined, NCCL at world 1).
+#   cudatest tests/test_cuda.py (stacked and outlined, NCCL at world 1);
+#   ab       cold compile at 4 and 32 blocks, stacked and outlined, in the tree at $BASE (an earlier
+#            commit: git archive REV | tar -x -C .base, carried) and in this one, alternated, ROUNDS rounds.
 # Usage: bash benchmarks/h200_stacks.sh OUT part [part ...]   (default: compile simple warm)
 set -uo pipefail
 OUT=${1:-out}
@@ -44,6 +46,15 @@ for PART in $PARTS; do
     timeout 330 python3 -m benchmarks.step_time --preset gpu-llama-1024 --layers 16 --spawn 1 --rounds 3 --no-png \
       --profile-steps 0 --variants fsdp-compile,fsdp-compile-stacked,simplefsdp,fsdp2-compile \
       --json "$OUT/step_time-gpu-llama-1024-L16-stacks-peers-w1.json" 2>&1 | quiet | tail -10 ;;
+  ab)
+    for r in $(seq "${ROUNDS:-2}"); do
+      for tree in "${BASE:-.base}" .; do
+        tag=$([ "$tree" = . ] && echo new || echo base)
+        (cd "$tree" && timeout 280 python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers 4 32 --rounds 1 \
+          --variants fsdp-compile-stacked fsdp-compile --json "$OUT/compile_time-cold-cuda-w1-ab-$tag-$r.json" 2>&1 \
+          | quiet | grep "^| [0-9]" | sed "s/^/$tag $r /")
+      done
+    done ;;
   cudatest)
     timeout 400 python3 -m pytest -q -x tests/test_cuda.py 2>&1 | tail -15 ;;
   *) echo "unknown part $PART" ;;

@@ -39,6 +39,7 @@ from torch import fx, nn
 from passes import NamedPass, run_passes
 from passes.absorb import absorb_copies_pass
 from passes.bucket import bucket_pass
+from passes.group import expand_markers_pass, group_markers_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
@@ -199,7 +200,7 @@ def _compile(
     # NOTE [compile-time keys]: each stage of ours adds to torch.compile's timing table under an
     # ``fsdp.*`` key (benchmarks/compile_stages.py reads them beside Dynamo's, AOTAutograd's, Inductor's).
     with timed("fsdp.passes"):
-        gm = _schedule(share_subgraphs_pass(gm), options, hw)
+        gm = _schedule(share_subgraphs_pass(expand_markers_pass(gm)), options, hw)  # NOTE [grouped markers]
     kind = "backward" if is_backward else "inference" if is_inference else "forward"
     identity = None
     if options.check_agreement:
@@ -339,6 +340,8 @@ def make_backend(
             gm = unroll_scans_pass(gm)  # NOTE [unrolled stacks]
             gm = outer_markers(gm, example_inputs, keep_bodies=options.outlines())
         gm = inductor_pre_grad_passes(gm, example_inputs)
+        with timed("fsdp.outline"):
+            gm = group_markers_pass(gm)  # NOTE [grouped markers]: split again in _compile
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))

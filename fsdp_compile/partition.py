@@ -16,6 +16,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from passes.group import is_grouped_unshard
 from passes.predicates import UnshardArgs, is_unshard
 
 from ._compat import inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
@@ -43,6 +44,8 @@ _VIEW_OPS = {
 # into must-save when a user belongs to a *later* region. Our tags carry a number above every region,
 # so an unshard read inside a checkpointed block is still recomputed, never saved.
 _AC_GRAPH_ID = 1 << 30
+# fsdp::unshard_many's reshard argument (passes/group.py)
+_GROUPED_RESHARD = [a.name for a in torch.ops.fsdp.unshard_many.default._schema.arguments].index("reshard")
 
 
 def _tag_reshard(joint: fx.GraphModule) -> None:
@@ -50,9 +53,12 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
     only read them) must-recompute, so the partitioner cannot save a gathered param for backward and
     instead re-runs the unshard there; units with ``reshard_after_forward=False`` are must-save."""
     for node in joint.graph.nodes:
-        if not is_unshard(node):
+        if is_unshard(node):
+            reshard = UnshardArgs.of(node).reshard
+        elif is_grouped_unshard(node):  # NOTE [grouped markers]: its getitems are read as views are
+            reshard = bool(node.args[_GROUPED_RESHARD])
+        else:
             continue
-        reshard = UnshardArgs.of(node).reshard
         policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
         node.meta["recompute"] = policy
         node.meta["ac_graph_id"] = _AC_GRAPH_ID
@@ -61,7 +67,8 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
         frontier = list(node.users)
         while frontier:
             user = frontier.pop()
-            if user.op == "call_function" and user.target in _VIEW_OPS and user.meta.get("ac_graph_id") != _AC_GRAPH_ID:
+            if (user.op == "call_function" and (user.target in _VIEW_OPS or user.target is operator.getitem)
+                    and user.meta.get("ac_graph_id") != _AC_GRAPH_ID):
                 user.meta["recompute"] = policy
                 user.meta["ac_graph_id"] = _AC_GRAPH_ID
                 frontier.extend(user.users)

@@ -11,7 +11,8 @@
 #   peers    training step beside SimpleFSDP and FSDP2 + compile (collectives elided at world 1), 16 blocks;
 #   cudatest tests/test_cuda.py (stacked and outlined, NCCL at world 1);
 #   ab       cold compile at 4 and 32 blocks, stacked and outlined, in the tree at $BASE (an earlier
-#            commit: git archive REV | tar -x -C .base, carried) and in this one, alternated, ROUNDS rounds.
+#            commit: git archive REV | tar -x -C .base, carried) and in this one, alternated, ROUNDS rounds
+#            (AB_VARIANTS: which variants; default stacked and outlined).
 # Usage: bash benchmarks/h200_stacks.sh OUT part [part ...]   (default: compile simple warm)
 set -uo pipefail
 OUT=${1:-out}
@@ -51,7 +52,7 @@ for PART in $PARTS; do
       for tree in "${BASE:-.base}" .; do
         tag=$([ "$tree" = . ] && echo new || echo base)
         (cd "$tree" && timeout 280 python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers 4 32 --rounds 1 \
-          --variants fsdp-compile-stacked fsdp-compile --json "$OUT/compile_time-cold-cuda-w1-ab-$tag-$r.json" 2>&1 \
+          --variants ${AB_VARIANTS:-fsdp-compile-stacked fsdp-compile} --json "$OUT/compile_time-cold-cuda-w1-ab-$tag-$r.json" 2>&1 \
           | quiet | grep "^| [0-9]" | sed "s/^/$tag $r /")
       done
     done ;;

@@ -127,10 +127,15 @@ def _is_grouped_reduce_grad(node: fx.Node) -> bool:
 
 def _groupable(marker: fx.Node, call: fx.Node) -> bool:
     """A named marker, without an accumulator, that only this call reads, of a shard that is a graph
-    input (defined before any marker, so the group can stand where the call's first marker stood)."""
+    input with a value (defined before any marker, so the group can stand where the call's first
+    marker stood)."""
     a = UnshardArgs.of(marker)
-    return (a.accumulate is None and NAMES_SEP not in a.name and a.shard.op in ("placeholder", "get_attr")
-            and all(u is call for u in marker.users))
+    return (a.accumulate is None and NAMES_SEP not in a.name and a.shard.op == "placeholder"
+            and isinstance(_value(a.shard), Tensor) and all(u is call for u in marker.users))
+
+
+def _value(node: fx.Node) -> object:
+    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -143,7 +148,7 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
         for arg in dict.fromkeys(a for a in call.args[2:] if isinstance(a, fx.Node)):
             if is_unshard(arg) and _groupable(arg, call):
                 a = UnshardArgs.of(arg)
-                key = (*(getattr(a, k) for k in _SHARED), a.shard.meta.get("example_value", a.shard.meta.get("val")).dtype)
+                key = (*(getattr(a, k) for k in _SHARED), _value(a.shard).dtype)  # type: ignore[union-attr]
                 groups.setdefault(key, []).append(arg)
         for markers in groups.values():
             if len(markers) > 1:

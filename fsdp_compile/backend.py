@@ -41,6 +41,7 @@ from passes.absorb import absorb_copies_pass
 from passes.bucket import bucket_pass
 from passes.group import expand_markers_pass, group_markers_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
+from passes.lower_grouped import lower_grouped_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
 from passes.share import share_subgraphs_pass
@@ -163,7 +164,13 @@ def _lowering(options: BackendOptions) -> list[NamedPass]:
     reduce = functools.partial(lower_reduce_grad_pass, elide_single_rank=options.elide_single_rank)
     rank_of = (lambda group: resolve_group(group).rank()) if options.inplace_gather else None
     bucket = functools.partial(bucket_pass, rank_of=rank_of, alone_bytes=options.bucket_alone_bytes)
-    return [NamedPass("lower_unshard", lower), NamedPass("lower_reduce_grad", reduce), NamedPass("bucket", bucket)]
+    passes = [NamedPass("lower_unshard", lower), NamedPass("lower_reduce_grad", reduce), NamedPass("bucket", bucket)]
+    expand = NamedPass("expand_markers", expand_markers_pass)  # NOTE [grouped markers]
+    if {p.name for p in passes} & set(options.disabled_passes):  # each step seen apart: no shortcut
+        return [expand, *passes]
+    grouped = functools.partial(lower_grouped_pass, elide_single_rank=options.elide_single_rank, rank_of=rank_of,
+                                alone_bytes=options.bucket_alone_bytes)
+    return [NamedPass("lower_grouped", grouped), expand, *passes]  # NOTE [grouped lowering]
 
 
 def _scheduling(options: BackendOptions, choice: Choice) -> list[NamedPass]:
@@ -200,7 +207,7 @@ def _compile(
     # NOTE [compile-time keys]: each stage of ours adds to torch.compile's timing table under an
     # ``fsdp.*`` key (benchmarks/compile_stages.py reads them beside Dynamo's, AOTAutograd's, Inductor's).
     with timed("fsdp.passes"):
-        gm = _schedule(share_subgraphs_pass(expand_markers_pass(gm)), options, hw)  # NOTE [grouped markers]
+        gm = _schedule(share_subgraphs_pass(gm), options, hw)
     kind = "backward" if is_backward else "inference" if is_inference else "forward"
     identity = None
     if options.check_agreement:

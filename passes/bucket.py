@@ -52,7 +52,7 @@ from .order import reorder
 from .predicates import fsdp_meta, is_all_gather, is_all_reduce, is_reduce_scatter, tensor_bytes, wait_of
 from .splice import splice
 
-__all__ = ["bucket_pass"]
+__all__ = ["bucket_pass", "splice_gather_bucket", "splice_reduce_bucket"]
 
 c10d = torch.ops._c10d_functional
 
@@ -156,6 +156,29 @@ def _finish(out: Tensor, sizes: Sequence[int], divisor: object, out_dtype: torch
     return [p.view(list(shape)) for p, shape in zip(out.split(list(sizes)), shapes)]
 
 
+def splice_gather_bucket(graph: fx.Graph, shards: Sequence[fx.Node], *, before: fx.Node, meta: dict[str, object],
+                         world: int, group: str, sizes: Sequence[int], rank: int | None, dtype: torch.dtype,
+                         shapes: Sequence[Sequence[int]], inserted: list[fx.Node] | None = None) -> list[fx.Node]:
+    """Splice one unit's all-gather bucket before ``before``: ``shards`` (in any dtype, of ``sizes``
+    elements) packed, gathered in ``dtype`` and copied out as full parameters of ``shapes``; returns those."""
+    make = _gather_bucket(world, group, sizes, rank, dtype, shapes)
+    key = ("gather", world, group, tuple(sizes), rank, dtype, tuple(tuple(s) for s in shapes))
+    return splice(graph, make, shards, before=before, meta=meta, inserted=inserted, cache_key=key)
+
+
+def splice_reduce_bucket(graph: fx.Graph, grads: Sequence[fx.Node], *, before: fx.Node, meta: dict[str, object],
+                         world: int, group: str, sizes: Sequence[int], dtype: torch.dtype, divisor: object,
+                         out_dtype: torch.dtype, shapes: Sequence[Sequence[int]], all_reduce: bool = False,
+                         inserted: list[fx.Node] | None = None) -> list[fx.Node]:
+    """Splice one unit's reduce-scatter bucket (``all_reduce``: its HSDP all-reduce) before ``before``:
+    the full ``grads`` packed in ``dtype`` and reduced, the ``sizes``-element results averaged
+    (``divisor``), cast to ``out_dtype`` and viewed as ``shapes``; returns those."""
+    builder = _reduce_bucket if all_reduce else _scatter_bucket
+    make = builder(world, group, sizes, dtype, divisor, out_dtype, shapes)
+    key = (builder.__name__, world, group, tuple(sizes), dtype, divisor, out_dtype, tuple(tuple(s) for s in shapes))
+    return splice(graph, make, grads, before=before, meta=meta, inserted=inserted, cache_key=key)
+
+
 def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: dict[fx.Node, fx.Node],
            rank_of: Callable[[str], int] | None = None) -> None:
     reduce = is_all_reduce(members[0])
@@ -170,25 +193,24 @@ def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: d
     meta = dict(fsdp_meta(members[0]))
     meta.pop("param", None)
     meta["params"] = [fsdp_meta(m).get("param") for m in members]
+    # An all-gather goes where its first member was; a reduce-scatter where its last one was, which
+    # is after all its inputs (each member came right after its own input).
+    anchor = members[0] if gather else members[-1]
+    new_nodes: list[fx.Node] = []
     if gather:
         inputs = [_member_source(m) for m in members]
         rank = rank_of(group) if rank_of is not None else None
-        make = _gather_bucket(world, group, sizes, rank, dtype, shapes)
-        key: tuple = ("gather", world, group, tuple(sizes), rank, dtype, tuple(shapes))
+        outs = splice_gather_bucket(gm.graph, inputs, before=anchor, meta=meta, inserted=new_nodes, world=world,
+                                    group=group, sizes=sizes, rank=rank, dtype=dtype, shapes=shapes)
     else:
         divisors = {repr(_divisor(chain)) for _, chain in ends}
         out_dtypes = {end.meta["val"].dtype for end, _ in ends}
         assert len(divisors) == 1 and len(out_dtypes) == 1, "one unit's members are averaged and cast alike"
         divisor, out_dtype = _divisor(ends[0][1]), out_dtypes.pop()
         inputs = flats if reduce else [_member_source(m) for m in members]
-        builder = _reduce_bucket if reduce else _scatter_bucket
-        make = builder(world, group, sizes, dtype, divisor, out_dtype, shapes)
-        key = (builder.__name__, world, group, tuple(sizes), dtype, divisor, out_dtype, tuple(shapes))
-    # An all-gather goes where its first member was; a reduce-scatter where its last one was, which
-    # is after all its inputs (each member came right after its own input).
-    anchor = members[0] if gather else members[-1]
-    new_nodes: list[fx.Node] = []
-    outs = splice(gm.graph, make, inputs, before=anchor, meta=meta, inserted=new_nodes, cache_key=key)  # type: ignore[arg-type]
+        outs = splice_reduce_bucket(gm.graph, inputs, before=anchor, meta=meta, inserted=new_nodes, world=world,
+                                    group=group, sizes=sizes, dtype=dtype, divisor=divisor, out_dtype=out_dtype,
+                                    shapes=shapes, all_reduce=reduce)
     if gather:
         # The inputs (casts and views of graph inputs) move up with the bucket.
         for inp in inputs:

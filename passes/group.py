@@ -6,8 +6,9 @@ CPU here a marker's forward and backward cost what a multiply's do), and once bl
 traces per block: nine ``fsdp::unshard`` before each call of a Llama block and nine ``fsdp::reduce_grad``
 after its backward, against one call each way. So just before AOTAutograd, the markers that gather the
 parameters one call reads become one ``fsdp::unshard_many`` (:func:`group_markers_pass`), whose
-backward is one ``fsdp::reduce_grad_many``; in each graph AOTAutograd hands on, every grouped op is
-split back into the per-parameter markers, with the same arguments and in the same order
+backward is one ``fsdp::reduce_grad_many``; in each graph AOTAutograd hands on, a grouped op that is all
+of its unit becomes the unit's bucket at once (NOTE [grouped lowering] in ``lower_grouped.py``) and any
+other is split back into the per-parameter markers, with the same arguments and in the same order
 (:func:`expand_markers_pass`), so the passes see what they always saw::
 
     before:  w_a = unshard(s_a, [d, d], ..., "layers.0.wq", ...); w_b = unshard(s_b, ...); invoke_subgraph(body, x, w_a, w_b)
@@ -30,7 +31,7 @@ from torch import Tensor, fx
 from .copies import flatten_shapes, unflatten_shapes
 from .predicates import UnshardArgs, _schema_name, is_unshard
 
-__all__ = ["NAMES_SEP", "expand_markers_pass", "group_markers_pass", "is_grouped_unshard"]
+__all__ = ["NAMES_SEP", "expand_markers_pass", "group_markers_pass", "is_grouped_reduce_grad", "is_grouped_unshard"]
 
 NAMES_SEP = "\n"  # between the names a grouped marker carries (a name holding it is never grouped)
 _SHARED = ("world_size", "unit", "ag_group", "rs_group", "replicate_group", "replicate_size", "reshard",
@@ -121,7 +122,7 @@ def is_grouped_unshard(node: fx.Node) -> bool:
     return _schema_name(node) == "fsdp::unshard_many"
 
 
-def _is_grouped_reduce_grad(node: fx.Node) -> bool:
+def is_grouped_reduce_grad(node: fx.Node) -> bool:
     return _schema_name(node) == "fsdp::reduce_grad_many"
 
 
@@ -184,7 +185,7 @@ def _group(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.Node, 
 def expand_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """NOTE [grouped markers]: each ``fsdp::unshard_many`` and ``fsdp::reduce_grad_many`` of an
     AOTAutograd graph split back into its per-parameter ``fsdp::unshard`` / ``fsdp::reduce_grad``."""
-    grouped = [n for n in gm.graph.nodes if is_grouped_unshard(n) or _is_grouped_reduce_grad(n)]
+    grouped = [n for n in gm.graph.nodes if is_grouped_unshard(n) or is_grouped_reduce_grad(n)]
     for node in grouped:
         unshard = is_grouped_unshard(node)
         (inputs, ranks, dims, names, *rest) = node.args

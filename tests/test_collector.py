@@ -1,0 +1,60 @@
+"""NOTE [no full collections]: while our backend compiles, Python's collector runs no full collection;
+its settings are the user's again afterwards."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_compile.backend as backend
+from fsdp_compile import make_backend
+from fsdp_compile.backend import no_full_collections
+
+
+def test_only_the_young_generations_are_collected_while_compiling() -> None:
+    before = gc.get_threshold()
+    seen: list[tuple[int, int, int]] = []
+    with no_full_collections():
+        seen.append(gc.get_threshold())
+        with no_full_collections():  # nested: as the outer one left it
+            seen.append(gc.get_threshold())
+    assert seen[0][:2] == before[:2] and seen[0][2] > 10**9 and seen[1] == seen[0]
+    assert gc.get_threshold() == before
+
+
+def test_a_switched_off_collector_and_a_raised_error_are_left_as_they_were() -> None:
+    before = gc.get_threshold()
+    gc.disable()
+    try:
+        with no_full_collections():
+            assert gc.get_threshold() == before and not gc.isenabled()
+    finally:
+        gc.enable()
+    try:
+        with no_full_collections():
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert gc.get_threshold() == before
+
+
+def test_the_backend_compiles_with_full_collections_held_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward and the backward (compiled at its first call) both see the raised threshold."""
+    before = gc.get_threshold()
+    seen: list[tuple[int, int, int]] = []
+    original = backend._compile_frozen
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        seen.append(gc.get_threshold())
+        return original(*args, **kw)
+
+    monkeypatch.setattr(backend, "_compile_frozen", spy)
+    torch._dynamo.reset()
+    compiled = torch.compile(nn.Linear(3, 3), backend=make_backend(inductor=False))
+    compiled(torch.randn(2, 3)).sum().backward()
+    assert len(seen) == 2 and all(t[2] > 10**9 for t in seen)
+    assert gc.get_threshold() == before

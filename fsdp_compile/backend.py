@@ -184,7 +184,7 @@ def _scheduling(options: BackendOptions, choice: Choice) -> list[NamedPass]:
 def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.GraphModule:
     """All passes, in order; ``"auto"`` settings resolved on the bucketed graph with the cost model."""
     skip, diff = options.disabled_passes, options.log_pass_diffs
-    gm = run_passes(gm, _lowering(options), disabled=skip, log_diff=diff, allow_unknown=True)
+    gm = run_passes(gm, _lowering(options), disabled=skip, log_diff=diff, allow_unknown=True, recompile=False)
     if options.uses_cost_model():
         choice = autotune.choose(gm, hw, prefetch=options.prefetch, prefetch_bytes=options.prefetch_bytes,
                                  schedule=options.schedule, reduce_scatter_bytes=options.reduce_scatter_bytes)
@@ -213,7 +213,7 @@ def _compile_frozen(
     # NOTE [compile-time keys]: each stage of ours adds to torch.compile's timing table under an
     # ``fsdp.*`` key (benchmarks/compile_stages.py reads them beside Dynamo's, AOTAutograd's, Inductor's).
     with timed("fsdp.passes"):
-        gm = _schedule(share_subgraphs_pass(gm), options, hw)
+        gm = _schedule(share_subgraphs_pass(gm, recompile=False), options, hw)
     kind = "backward" if is_backward else "inference" if is_inference else "forward"
     identity = None
     if options.check_agreement:

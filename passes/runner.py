@@ -35,13 +35,15 @@ def run_passes(
     disabled: Iterable[str] = (),
     log_diff: bool = False,
     allow_unknown: bool = False,
+    recompile: bool = True,
 ) -> fx.GraphModule:
     """Run ``passes`` in order on ``gm``, skipping those named in ``disabled``.
 
     After each pass the graph is linted (a broken graph fails here, naming the pass); it is recompiled
     at the end (and after each pass when logging diffs).
     With ``log_diff`` each pass's before/after code is logged at INFO on this module's logger.
-    ``allow_unknown`` accepts disabled names this call does not run (a pipeline split over calls).
+    ``allow_unknown`` accepts disabled names this call does not run (a pipeline split over calls);
+    ``recompile=False`` leaves the recompile to a later call of the same pipeline.
     """
     skip = set(disabled)
     unknown = skip - {p.name for p in passes}
@@ -64,5 +66,6 @@ def run_passes(
                 before.splitlines(), gm.code.splitlines(), f"before {p.name}", f"after {p.name}", lineterm=""
             )
             log.info("%s", "\n".join(diff))
-    gm.recompile()  # once, not after each pass: its Python code is what a large graph's compile waits for
+    if recompile:
+        gm.recompile()  # once, not after each pass: its Python code is what a large graph's compile waits for
     return gm

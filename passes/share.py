@@ -14,9 +14,9 @@ from torch import fx
 __all__ = ["share_subgraphs_pass"]
 
 
-def share_subgraphs_pass(gm: fx.GraphModule) -> fx.GraphModule:
+def share_subgraphs_pass(gm: fx.GraphModule, *, recompile: bool = True) -> fx.GraphModule:
     """Calls with the same identifier and the same body module (or one with the same code) read the
-    first one's attribute."""
+    first one's attribute. ``recompile=False``: a later pass recompiles ``gm``."""
     first: dict[str, tuple[str, fx.GraphModule]] = {}
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
         attr, identifier = node.args[0], node.args[1]
@@ -33,5 +33,6 @@ def share_subgraphs_pass(gm: fx.GraphModule) -> fx.GraphModule:
             if not attr.users:
                 gm.graph.erase_node(attr)
     gm.delete_all_unused_submodules()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return gm

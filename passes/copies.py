@@ -21,8 +21,16 @@ from torch import Tensor
 
 __all__ = ["copy_out_rows", "flatten_shapes", "pack_rows", "pack_shards", "unflatten_shapes"]
 
+# NOTE [copies take any layout]: the pack of shards and the copy out of a gathered bucket read their
+# inputs through ``reshape`` (any strides will do), so Inductor need not pin the inputs to the traced
+# strides: by default it checks and fixes the layout of every tensor input of a custom op, about a
+# millisecond per input when lowering the outer graph, nine shards per unit's pack. ``flexible_layout``
+# lets it pass them as they are. (The gradients' pack keeps the default: ``_chunk_cat`` is left the
+# layouts it was traced with.)
+_ANY_LAYOUT = (torch.Tag.flexible_layout,)
 
-@torch.library.custom_op("fsdp::pack_shards", mutates_args=())
+
+@torch.library.custom_op("fsdp::pack_shards", mutates_args=(), tags=_ANY_LAYOUT)
 def pack_shards(shards: list[Tensor], world: int, rank: int, dtype: torch.dtype) -> Tensor:
     """A new ``world * N`` buffer in ``dtype`` (``N``: the shards' elements) whose slice ``rank`` holds the
     shards, flattened and concatenated: an all-gather's output, this rank's part already in place
@@ -39,14 +47,14 @@ def _pack_shards_fake(shards: list[Tensor], world: int, rank: int, dtype: torch.
     return shards[0].new_empty(world * sum(s.numel() for s in shards), dtype=dtype)
 
 
-@torch.library.custom_op("fsdp::copy_out_rows", mutates_args=())
+@torch.library.custom_op("fsdp::copy_out_rows", mutates_args=(), tags=_ANY_LAYOUT)
 def copy_out_rows(gathered: Tensor, world: int, sizes: list[int], ranks: list[int], dims: list[int]) -> list[Tensor]:
     """``gathered`` viewed as (``world``, sum(sizes)): member ``i`` is columns ``[off_i, off_i + sizes[i])``
     of every row, its ``world`` pieces one after another; returned contiguous in its own shape, the
     next ``ranks[i]`` sizes of ``dims``, whose dim 0 may be shorter than the gathered rows (the padding
     left off, NOTE [padding])."""
     outs = [gathered.new_empty(world * s) for s in sizes]
-    torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1,
+    torch.split_with_sizes_copy(gathered.reshape(world, -1), sizes, dim=1,
                                 out=[o.view(world, s) for o, s in zip(outs, sizes)])
     return [o.narrow(0, 0, _numel(shape)).view(shape) for o, shape in zip(outs, unflatten_shapes(ranks, dims))]
 

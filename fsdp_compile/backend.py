@@ -198,10 +198,10 @@ def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.G
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kw: Any) -> Callable[..., Any]:
     with no_full_collections():  # NOTE [no full collections] (a backward compiles at its first call)
-        return _compile_frozen(gm, example_inputs, **kw)
+        return _compile_graph(gm, example_inputs, **kw)
 
 
-def _compile_frozen(
+def _compile_graph(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     *,
@@ -378,7 +378,7 @@ def no_full_collections() -> Iterator[None]:
     """NOTE [no full collections]: a compile makes a great many objects that live until it ends (graphs,
     nodes, fake tensors), so Python's collector promotes them and every few thousand allocations runs a
     full collection, each walking every object the process holds, torch's own included: at 32 blocks
-    five of them took 2.1 s of a 38 s CPU compile here (0.4 s each), and on the H200's host the
+    five of them took 2.0 s of a 38 s CPU compile here (0.4 s each), and on the H200's host the
     collector took 2.1 s of 19.5 s (0.6 s at 4 blocks). While our backend compiles, only the young
     generations are collected (short-lived garbage goes as usual); what the compile leaves in the old
     generation waits for the first full collection after it. Nested compiles, a collector switched off

@@ -21,6 +21,7 @@ reads (expanding drops it), a member large enough to keep its own collective (``
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 from collections.abc import Callable
@@ -34,13 +35,6 @@ from .group import NAMES_SEP, is_grouped_reduce_grad, is_grouped_unshard
 from .predicates import is_reduce_grad, is_unshard, _schema_args
 
 __all__ = ["lower_grouped_pass"]
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def lower_grouped_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True,
@@ -80,7 +74,7 @@ def _lower(gm: fx.GraphModule, node: fx.Node, a: dict[str, object], *, gather: b
         return
     (dtype,) = dtypes
     # Each member's collective input: its shard (gather), or its full gradient padded to ``world`` shards.
-    sizes = [int(v.numel()) if gather else _numel(shape) for v, shape in zip(vals, shapes)]
+    sizes = [int(v.numel()) if gather else math.prod(shape) for v, shape in zip(vals, shapes)]
     width = torch.empty((), dtype=dtype).element_size()
     if alone_bytes is not None and any(world * n * width >= alone_bytes for n in sizes):
         return

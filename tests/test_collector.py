@@ -46,13 +46,13 @@ def test_the_backend_compiles_with_full_collections_held_off(monkeypatch: pytest
     """The forward and the backward (compiled at its first call) both see the raised threshold."""
     before = gc.get_threshold()
     seen: list[tuple[int, int, int]] = []
-    original = backend._compile_frozen
+    original = backend._compile_graph
 
     def spy(*args: Any, **kw: Any) -> Any:
         seen.append(gc.get_threshold())
         return original(*args, **kw)
 
-    monkeypatch.setattr(backend, "_compile_frozen", spy)
+    monkeypatch.setattr(backend, "_compile_graph", spy)
     torch._dynamo.reset()
     compiled = torch.compile(nn.Linear(3, 3), backend=make_backend(inductor=False))
     compiled(torch.randn(2, 3)).sum().backward()

@@ -17,7 +17,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from passes.group import is_grouped_unshard
-from passes.predicates import UnshardArgs, is_unshard
+from passes.predicates import UnshardArgs, is_unshard, schema_args
 
 from ._compat import inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
 
@@ -44,8 +44,6 @@ _VIEW_OPS = {
 # into must-save when a user belongs to a *later* region. Our tags carry a number above every region,
 # so an unshard read inside a checkpointed block is still recomputed, never saved.
 _AC_GRAPH_ID = 1 << 30
-# fsdp::unshard_many's reshard argument (passes/group.py)
-_GROUPED_RESHARD = [a.name for a in torch.ops.fsdp.unshard_many.default._schema.arguments].index("reshard")
 
 
 def _tag_reshard(joint: fx.GraphModule) -> None:
@@ -56,7 +54,7 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
         if is_unshard(node):
             reshard = UnshardArgs.of(node).reshard
         elif is_grouped_unshard(node):  # NOTE [grouped markers]: its getitems are read as views are
-            reshard = bool(node.args[_GROUPED_RESHARD])
+            reshard = bool(schema_args(node)["reshard"])
         else:
             continue
         policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE

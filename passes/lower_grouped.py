@@ -32,7 +32,7 @@ from torch import fx
 from .bucket import splice_gather_bucket, splice_reduce_bucket
 from .copies import unflatten_shapes
 from .group import NAMES_SEP, is_grouped_reduce_grad, is_grouped_unshard
-from .predicates import is_reduce_grad, is_unshard, _schema_args
+from .predicates import is_reduce_grad, is_unshard, schema_args
 
 __all__ = ["lower_grouped_pass"]
 
@@ -47,12 +47,12 @@ def lower_grouped_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True,
     for node in gm.graph.nodes:
         if is_grouped_unshard(node) or is_grouped_reduce_grad(node):
             grouped.append(node)
-            markers[(_schema_args(node)["unit"], is_grouped_unshard(node))] += 1
+            markers[(schema_args(node)["unit"], is_grouped_unshard(node))] += 1
         elif is_unshard(node) or is_reduce_grad(node):
-            markers[(_schema_args(node)["unit"], is_unshard(node))] += 1
+            markers[(schema_args(node)["unit"], is_unshard(node))] += 1
     for node in grouped:
         gather = is_grouped_unshard(node)
-        a = _schema_args(node)
+        a = schema_args(node)
         if markers[(a["unit"], gather)] == 1:
             _lower(gm, node, a, gather=gather, elide=elide_single_rank, rank_of=rank_of, alone_bytes=alone_bytes)
     return gm

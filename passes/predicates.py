@@ -28,6 +28,7 @@ __all__ = [
     "wait_of",
     "fsdp_meta",
     "tensor_bytes",
+    "schema_args",
 ]
 
 c10d = torch.ops._c10d_functional
@@ -162,7 +163,7 @@ class UnshardArgs:
     @classmethod
     def of(cls, node: fx.Node) -> UnshardArgs:
         assert is_unshard(node), node
-        args = _schema_args(node)
+        args = schema_args(node)
         return cls(**{**args, "full_shape": tuple(args["full_shape"])})
 
 
@@ -185,11 +186,11 @@ class ReduceGradArgs:
     @classmethod
     def of(cls, node: fx.Node) -> ReduceGradArgs:
         assert is_reduce_grad(node), node
-        args = _schema_args(node)
+        args = schema_args(node)
         return cls(**{**args, "shard_shape": tuple(args["shard_shape"])})
 
 
-def _schema_args(node: fx.Node) -> dict[str, object]:
+def schema_args(node: fx.Node) -> dict[str, object]:
     """A marker's arguments by schema name, whether the call passed them by position or keyword."""
     schema = _schema(node)
     assert schema is not None, node

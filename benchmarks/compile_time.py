@@ -129,7 +129,10 @@ def _warm_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                 cache_dir = tempfile.mkdtemp(prefix="compile_time_warm_")
                 try:
                     first = _run_child(args, variant, layers, _child_env(args, cache_dir, True))
-                    second = _run_child(args, variant, layers, _child_env(args, cache_dir, True))
+                    profile = None
+                    if args.profile_dir and r == 0:  # the second start's profile
+                        profile = os.path.join(args.profile_dir, f"{variant}-L{layers}-second.prof")
+                    second = _run_child(args, variant, layers, _child_env(args, cache_dir, True), profile)
                 finally:
                     shutil.rmtree(cache_dir, ignore_errors=True)
                 runs.append({"variant": variant, "layers": layers, "round": r, "first": first, "second": second})
@@ -213,7 +216,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clock", choices=("wall", "cpu"), default=None,
                    help="what a second is: wall time, or the compiling thread's CPU time (default on CPU)")
     p.add_argument("--warm-start", action="store_true", help="every cache on: second process start vs first")
-    p.add_argument("--profile-dir", default=None, help="cProfile each child of the first round into this folder")
+    p.add_argument("--profile-dir", default=None,
+                   help="cProfile each child of the first round (with --warm-start: its second start) into this folder")
     p.add_argument("--json", default=None, help="output path (default: benchmarks/results/compile_time-...json)")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -34,8 +34,11 @@ def outer_markers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, keep_bod
     uses = {name: len(calls) for name, calls in subgraph_calls(gm).items()}
     shared = {id(getattr(gm, name)) for name, n in uses.items() if n >= 2}  # one call saves nothing
     gm = inline_subgraphs_pass(gm, keep=lambda body: keep_bodies and id(body) in shared and _worth_a_call(body))
-    for body, _ in _hop_bodies(gm):
-        inline_subgraphs_pass(body)
+    inlined: set[int] = set()
+    for body, _ in _hop_bodies(gm):  # a body every block calls, once
+        if id(body) not in inlined:
+            inlined.add(id(body))
+            inline_subgraphs_pass(body)
     _name_markers(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
     gm.recompile()
     return gm

@@ -52,12 +52,15 @@ def stages_from(metrics: dict[str, float], total: float) -> dict[str, float]:
 
 
 def _init_group(device: str, world: int) -> None:
+    """NCCL at world 1 on a GPU; else a fake process group of ``world`` ranks (CPU, or a GPU standing for
+    rank 0 of ``world``: every variant then compiles the collectives of that world, which move no data)."""
     import torch.distributed as dist
 
     if device == "cuda":
         import torch
 
         torch.cuda.set_device(0)
+    if device == "cuda" and world == 1:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
         dist.init_process_group("nccl", store=store, rank=0, world_size=1)
     else:
@@ -78,7 +81,7 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
 
         from benchmarks.peers import build_simple_fsdp
 
-        mesh = init_device_mesh(device, (1 if device == "cuda" else world,))
+        mesh = init_device_mesh(device, (world,))
         if how == "simplefsdp":
             return build_simple_fsdp(model, mesh)
         for block in model.layers:
@@ -94,7 +97,7 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
         fully_shard(block, groups=groups)
     fully_shard(model, groups=groups)
     kw = dict(backend_kw)
-    if device == "cuda":
+    if device == "cuda" and world == 1:
         kw["elide_single_rank"] = False  # world 1 compiles the collectives of world N
     return torch.compile(model, backend=make_backend(**kw))
 

@@ -34,7 +34,9 @@ twice over one fresh cache directory with every cache on and reports the second 
 
 CPU:  python -m benchmarks.compile_time --layers 4 16 32                 (fake process group, world 2)
 GPU:  python -m benchmarks.compile_time --device cuda --dim 1024 --layers 4 16 32   (NCCL, world 1,
-      collectives kept: ``make_backend(elide_single_rank=False)``)
+      collectives kept: ``make_backend(elide_single_rank=False)``; ``--world 2``: a fake group of 2 ranks
+      on the one GPU, where SimpleFSDP and FSDP2 compile their collectives too, which at world 1 they
+      leave out)
 """
 
 from __future__ import annotations
@@ -203,7 +205,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--world", type=int, default=2, help="fake process group size on CPU (GPU: 1, NCCL)")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks: a fake process group of this size (default 2) on CPU; on a GPU 1 (default) is NCCL "
+                        "with our collectives kept, more is a fake group whose collectives compile but move nothing "
+                        "(so SimpleFSDP and FSDP2, which issue none at world 1, compile theirs too)")
     p.add_argument("--dim", type=int, default=None, help="model width (default: 32 on CPU, 1024 on GPU)")
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--vocab", type=int, default=None)
@@ -230,8 +235,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if cuda:
-        args.world = 1
+    if args.world is None:
+        args.world = 1 if cuda else 2
     if args.clock is None:
         args.clock = "wall" if cuda or args.cpu_kernels == "cold" else "cpu"
     if args.child:

@@ -5,6 +5,8 @@
 # tokens, bf16.
 #   compile  cold compile by stage at 4 and 32 blocks, outlined and stacked, 20 timed fwd+bwd steps each;
 #   simple   SimpleFSDP's cold compile at 4 blocks (the depth where it is fastest);
+#   simple2  the same beside the stack and the outlined form, alternated, ROUNDS rounds, on a fake group of
+#            2 ranks: every variant compiles world 2's collectives (at world 1 SimpleFSDP issues none);
 #   warm     second process start against the first (every cache on), stacked, 4 and 32 blocks;
 #   step     full training step (AdamW), outlined against stacked, 16 blocks, alternated rounds;
 #   bound    the same at a GPU-bound shape: 4 x D=4096, 2x2048 tokens;
@@ -12,7 +14,11 @@
 #   cudatest tests/test_cuda.py (stacked and outlined, NCCL at world 1);
 #   ab       cold compile at 4 and 32 blocks, stacked and outlined, in the tree at $BASE (an earlier
 #            commit: git archive REV | tar -x -C .base, carried) and in this one, alternated, ROUNDS rounds
-#            (AB_VARIANTS: which variants; default stacked and outlined).
+#            (AB_VARIANTS: which variants; default stacked and outlined);
+#   warmab   warm start, stacked, of the tree at $BASE against this one: second process starts over one
+#            cache directory, alternated, ROUNDS rounds at 32 blocks (benchmarks/warm_ab.py);
+#   commsetup  what the first collective on each of our two NCCL groups costs at world 1 (the
+#            communicators' set-up, inside every variant's first step that issues collectives).
 # Usage: bash benchmarks/h200_stacks.sh OUT part [part ...]   (default: compile simple warm)
 set -uo pipefail
 OUT=${1:-out}
@@ -32,6 +38,10 @@ for PART in $PARTS; do
   simple)
     timeout 120 python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers 4 --rounds 1 --steps 20 \
       --variants simplefsdp --json "$OUT/compile_time-cold-cuda-w1-L4-simplefsdp.json" 2>&1 | quiet | tail -5 ;;
+  simple2)
+    timeout 560 python3 -m benchmarks.compile_time "${SHAPE[@]}" --world 2 --layers 4 --rounds ${ROUNDS:-3} \
+      --variants fsdp-compile-stacked simplefsdp fsdp-compile --json "$OUT/compile_time-cold-cuda-w2fake-L4-simplefsdp.json" \
+      2>&1 | quiet | tail -6 ;;
   warm)
     timeout 200 python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers 4 32 --warm-start \
       --variants fsdp-compile-stacked --json "$OUT/compile_time-warm-cuda-w1-stacks.json" 2>&1 | quiet | tail -8 ;;
@@ -56,6 +66,22 @@ for PART in $PARTS; do
           | quiet | grep "^| [0-9]" | sed "s/^/$tag $r /")
       done
     done ;;
+  warmab)
+    timeout 400 python3 -m benchmarks.warm_ab --trees "${BASE:-.base}" . --layers 32 --rounds ${ROUNDS:-4} \
+      --device cuda --json "$OUT/compile_time-warm-ab-cuda-w1-L32.json" "${SHAPE[@]:2}" 2>&1 | quiet | tail -6 ;;
+  commsetup)
+    timeout 120 python3 - <<'EOF'
+import time, torch, torch.distributed as dist
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
+from fsdp_compile import FsdpGroups
+groups, x = FsdpGroups.create(), torch.ones(4, device="cuda")
+for name, group in (("all_gather group", groups.all_gather), ("reduce_scatter group", groups.reduce_scatter)):
+    for when in ("first", "second"):
+        t = time.perf_counter(); dist.all_reduce(x, group=group); torch.cuda.synchronize()
+        print(f"{name}: {when} collective {time.perf_counter() - t:.3f} s")
+EOF
+    ;;
   cudatest)
     timeout 400 python3 -m pytest -q -x tests/test_cuda.py 2>&1 | tail -15 ;;
   *) echo "unknown part $PART" ;;

@@ -34,11 +34,8 @@ def outer_markers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, keep_bod
     uses = {name: len(calls) for name, calls in subgraph_calls(gm).items()}
     shared = {id(getattr(gm, name)) for name, n in uses.items() if n >= 2}  # one call saves nothing
     gm = inline_subgraphs_pass(gm, keep=lambda body: keep_bodies and id(body) in shared and _worth_a_call(body))
-    inlined: set[int] = set()
-    for body, _ in _hop_bodies(gm):  # a body every block calls, once
-        if id(body) not in inlined:
-            inlined.add(id(body))
-            inline_subgraphs_pass(body)
+    for body in _hop_bodies(gm):
+        inline_subgraphs_pass(body)
     _name_markers(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
     gm.recompile()
     return gm
@@ -59,11 +56,15 @@ def _hop_calls(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule, in
                 yield node, body, start  # type: ignore[misc]
 
 
-def _hop_bodies(gm: fx.GraphModule) -> Iterator[tuple[fx.GraphModule, fx.Node]]:
-    """Each (body, call) of a higher-order op in ``gm``, and in their bodies, outermost first."""
-    for call, body, _ in _hop_calls(gm):
-        yield body, call
-        yield from _hop_bodies(body)
+def _hop_bodies(gm: fx.GraphModule, seen: set[int] | None = None) -> Iterator[fx.GraphModule]:
+    """Each body of a higher-order op in ``gm``, and in their bodies, outermost first: once, however many
+    calls share it (the one body every outlined block calls)."""
+    seen = set() if seen is None else seen
+    for _, body, _ in _hop_calls(gm):
+        if id(body) not in seen:
+            seen.add(id(body))
+            yield body
+            yield from _hop_bodies(body, seen)
 
 
 def _value(gm: fx.GraphModule, values: dict[fx.Node, object], node: object) -> object:

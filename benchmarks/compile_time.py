@@ -59,9 +59,11 @@ from benchmarks.compile_stages import DEFAULT_VARIANTS, STAGES, VARIANTS, child
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def _child_env(args: argparse.Namespace, cache_dir: str | None, caches_on: bool) -> dict[str, str]:
+def _child_env(args: argparse.Namespace, cache_dir: str | None, caches_on: bool,
+               root: str | None = None) -> dict[str, str]:
+    """A child's environment: its caches, and the source tree ``root`` (default: this one) first on its path."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root or os.getcwd(), env.get("PYTHONPATH")]))
     if caches_on:
         env.update(TORCHINDUCTOR_FORCE_DISABLE_CACHES="0", TORCHINDUCTOR_FX_GRAPH_CACHE="1",
                    TORCHINDUCTOR_AUTOGRAD_CACHE="1")
@@ -77,14 +79,14 @@ def _child_env(args: argparse.Namespace, cache_dir: str | None, caches_on: bool)
 
 
 def _run_child(args: argparse.Namespace, variant: str, layers: int, env: dict[str, str],
-               profile: str | None = None) -> dict[str, Any]:
+               profile: str | None = None, cwd: str | None = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", "--variant", variant, "--layers", str(layers),
            "--device", args.device, "--world", str(args.world), "--dim", str(args.dim), "--heads", str(args.heads),
            "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch), "--dtype", args.dtype,
            "--clock", args.clock, "--steps", str(args.steps)]
     if profile:
         cmd += ["--profile", profile]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         return {"variant": variant, "layers": layers, "error": tail}

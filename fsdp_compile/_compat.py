@@ -7,6 +7,7 @@ Where these move between releases, the fallback belongs here and nowhere else. C
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -165,6 +166,31 @@ def compile_time_metrics() -> dict[str, float]:
 # More traces of one region than a model has units; past torch's cap (8 in 2.13) Dynamo raises instead
 # of tracing a block whose guards differ (a per-block attribute its forward reads, say) once more.
 _REGION_TRACES = 1 << 20
+
+
+@functools.cache
+def native_region_reuse() -> bool:
+    """Whether this torch's Dynamo traces a ``nested_compile_region`` once and re-checks later calls'
+    guards (torch 2.13; 2.11 traces every call)."""
+    import inspect
+
+    return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
+
+# NOTE [stamped blocks] in stamp.py: stamp out outlined blocks ourselves where Dynamo traces each call.
+# ``None``: where this torch has no reuse of its own; tests set it to force either way (forced on a torch
+# with reuse of its own, Dynamo's inlining of bodies called once must be off too: it would inline the
+# template, which stamped calls do not count as calls).
+STAMP_REGIONS: bool | None = None
+
+
+@torch._dynamo.assume_constant_result
+def stamping() -> bool:
+    """Whether outlined blocks are stamped out by ``fsdp_compile.stamp`` (NOTE [stamped blocks]); read
+    while Dynamo traces, as a constant of the graph."""
+    if STAMP_REGIONS is None:
+        return not native_region_reuse()
+    return STAMP_REGIONS and not getattr(torch._dynamo.config, "inline_single_use_invoke_subgraph", False)
 
 
 def compile_region(fn: Callable[..., Any]) -> Callable[..., Any]:

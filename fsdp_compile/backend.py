@@ -46,6 +46,7 @@ from passes.lower_grouped import lower_grouped_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
 from passes.share import share_subgraphs_pass
+from passes.stamp import stamp_out_pass
 from passes.unroll import unroll_scans_pass
 from passes.streams import check_streams, streams_pass
 
@@ -354,6 +355,7 @@ def make_backend(
     def _backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
         with timed("fsdp.outline"):
+            gm = stamp_out_pass(gm)  # NOTE [stamped calls]
             gm = unroll_scans_pass(gm)  # NOTE [unrolled stacks]
             gm = outer_markers(gm, example_inputs, keep_bodies=options.outlines())
         gm = inductor_pre_grad_passes(gm, example_inputs)

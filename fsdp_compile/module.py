@@ -29,7 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import compile_region, traced_for
+from torch._dynamo.comptime import comptime
+
+from . import stamp
+from ._compat import compile_region, stamping, traced_for
 from .accumulate import set_requires_gradient_sync
 
 __all__ = ["OUTLINES", "FsdpModule", "mix_in", "forward_of", "outlining"]
@@ -67,9 +70,21 @@ def _outlined_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         _regions[forward] = compile_region(forward)
     region = _regions[forward]
 
+    before = stamp.before_call(forward)
+
     def outlined(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and outlining():
-            return region(self, *args, **kwargs)
+            if not stamping():
+                return region(self, *args, **kwargs)
+            comptime(before)  # NOTE [stamped blocks]
+            plan = stamp.stamp_plan()
+            if plan is not None:
+                key, roles, spec = plan
+                flat = stamp.stamped_call(key, stamp.flat_tensors((args, kwargs), []), stamp.read_own(self, roles))
+                return stamp.rebuild(spec, flat)
+            out = region(self, *args, **kwargs)
+            comptime(stamp.after_call)
+            return out
         return forward(self, *args, **kwargs)
 
     outlined.__name__, outlined.__qualname__, outlined.__doc__ = forward.__name__, forward.__qualname__, forward.__doc__

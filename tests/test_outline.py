@@ -15,6 +15,7 @@ from fsdp_compile.models import Transformer, loss_fn
 from fsdp_compile.module import OUTLINES
 from fsdp_compile.schedule import graph_group_labels, group_labels, listing
 from passes.hoist import hoist_unshards_pass
+from passes.stamp import stamp_out_pass
 from passes.inline import inline_subgraphs_pass
 from passes.predicates import UnshardArgs, is_all_gather, is_collective, is_unshard
 
@@ -24,10 +25,12 @@ invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
 
 def dynamo_graph(model: nn.Module, *inputs: torch.Tensor) -> tuple[fx.GraphModule, list[torch.Tensor]]:
-    """The graph Dynamo hands a backend for ``model(*inputs)``, and its example inputs."""
+    """The graph Dynamo hands a backend for ``model(*inputs)`` (its stamped calls made calls of their
+    template's body, the backend's first pass), and its example inputs."""
     graphs: list[tuple[fx.GraphModule, list[torch.Tensor]]] = []
 
     def keep(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
+        gm = stamp_out_pass(gm)  # stamped blocks' calls as calls of the body (NOTE [stamped calls])
         graphs.append((gm, list(example)))
         return gm.forward
 

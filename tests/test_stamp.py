@@ -1,0 +1,184 @@
+"""Stamped blocks (NOTE [stamped blocks] in fsdp_compile/stamp.py, NOTE [stamped calls] in passes/stamp.py):
+Dynamo traces the first outlined block and stamps the alike ones out of that trace, on every torch where
+this is forced on (the default on torch 2.11, whose Dynamo traces every block). What is checked: later
+blocks are one op each in Dynamo's graph, the backend's graphs are those of tracing every block, a block
+that is not alike (an attribute its forward reads, its mode, a call's constant argument) is traced on its
+own, and a change to one block after compiling recompiles, with eager numbers each time."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import fx, nn
+
+from fsdp_compile import FsdpGroups, _compat, make_backend
+from fsdp_compile.backend import observe_graphs
+from fsdp_compile.models import Transformer
+from fsdp_compile.module import OUTLINES
+from passes.stamp import stamp_out_pass
+
+from .graph_utils import SMALL, fake_process_group, shard_blocks_then_root
+from .workers import force_stamping, sharded_grads
+
+invoke_subgraph = torch.ops.higher_order.invoke_subgraph
+
+
+@pytest.fixture(autouse=True)
+def stamping() -> Iterator[None]:
+    """Stamping forced on (on torch 2.13 too, with its Dynamo's inlining of bodies called once off)."""
+    with force_stamping():
+        yield
+
+
+def _stamped(gm: fx.GraphModule) -> int:
+    return sum(n.op == "call_function" and str(n.target) == "fsdp.stamped.default" for n in gm.graph.nodes)
+
+
+def _calls(gm: fx.GraphModule) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=invoke_subgraph))
+
+
+def _dynamo_graphs(model: nn.Module, *inputs: torch.Tensor) -> list[tuple[int, int, fx.GraphModule]]:
+    """For each graph Dynamo hands a backend for ``model(*inputs)``: its calls of a body and its stamped
+    calls, then the graph after ``stamp_out_pass``."""
+    graphs: list[tuple[int, int, fx.GraphModule]] = []
+
+    def keep(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
+        counts = _calls(gm), _stamped(gm)
+        graphs.append((*counts, stamp_out_pass(gm)))  # (a stamped op only runs as its template's body)
+        return gm.forward
+
+    setattr(keep, OUTLINES, True)  # trace as for fsdp_backend (NOTE [regions for our backend only])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(model, backend=keep, fullgraph=True)(*inputs)
+    return graphs
+
+
+def test_later_blocks_are_one_op_each_and_the_backend_sees_every_call() -> None:
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = shard_blocks_then_root(Transformer(SMALL.with_(n_layers=4)), FsdpGroups.create())
+        ((traced, stamped, gm),) = _dynamo_graphs(model, tokens)
+        assert (traced, stamped) == (1, 3)  # block 0 traced; 1, 2, 3 stamped out of its trace
+        assert (_calls(gm), _stamped(gm)) == (4, 0)
+        assert len({n.args[0].target for n in gm.graph.find_nodes(op="call_function", target=invoke_subgraph)}) == 1
+
+
+def _scheduled(stamp: bool) -> list[str]:
+    _compat.STAMP_REGIONS = stamp
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = shard_blocks_then_root(Transformer(SMALL.with_(n_layers=3)), FsdpGroups.create())
+        with observe_graphs() as seen, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.compile(model, backend=make_backend(inductor=False), fullgraph=True)(tokens).sum().backward()
+        return [f"{kind}\n{gm.code}" for kind, gm in seen]
+
+
+def test_the_scheduled_graphs_are_those_of_tracing_every_block() -> None:
+    """The forward and backward graphs the passes hand to Inductor are the same text either way."""
+    assert _scheduled(True) == _scheduled(False)
+
+
+class Gate(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.shift = 0  # read by the forward: blocks with another shift are not alike
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.proj(x)) * torch.roll(x, self.shift, dims=-1)
+        return h * 2.0 if self.training else h
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.gate = Gate(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, *, tanh: bool = True) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.up(self.gate(x)))
+        h = self.down(h) * scale
+        return x + (torch.tanh(h) if tanh else torch.relu(h)) * 0.5
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 5, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)  # (every block's input then requires grad, as in a transformer)
+        self.layers = nn.ModuleList(Block(width) for _ in range(n))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width))
+        self.tanh = [True] * n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer, tanh in zip(self.layers, self.tanh):
+            x = layer(x, self.scale, tanh=tanh)
+        return x
+
+
+def _check(model: nn.Module, reference: nn.Module, compiled: nn.Module, x: torch.Tensor) -> None:
+    """``compiled`` (sharded ``model``) gives ``reference``'s output and gradients."""
+    for m in (model, reference):
+        for p in m.parameters():
+            p.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = compiled(x)
+        out.square().sum().backward()
+    expected = reference(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    grads = sharded_grads(model)  # (one rank: each shard is its whole parameter)
+    assert sorted(grads) == sorted(n for n, _ in reference.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_only_alike_blocks_are_stamped_and_a_change_to_one_recompiles() -> None:
+    """One rank (real numbers): blocks differing in an attribute their forward reads, in their mode, or
+    in a constant argument of their call are traced on their own; the others are stamped; and changing a
+    stamped block afterwards (its attribute, its mode) recompiles instead of running the template's code."""
+    x = torch.randn(4, 8)
+    with fake_process_group(1):
+        torch.manual_seed(0)
+        reference = Stack()
+        model = Stack()
+        model.load_state_dict(reference.state_dict())
+        for m in (model, reference):
+            m.layers[1].gate.shift = 1     # an attribute the forward reads
+            m.layers[3].gate.eval()        # its mode
+            m.tanh[4] = False              # a constant argument of its call
+        shard_blocks_then_root(model, FsdpGroups.create())
+        graphs: list[tuple[int, int]] = []  # (calls traced, calls stamped) of each graph compiled
+
+        def backend(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
+            graphs.append((_calls(gm), _stamped(gm)))
+            return ours(gm, example)
+
+        ours = make_backend()
+        setattr(backend, OUTLINES, True)
+        compiled = torch.compile(model, backend=backend)
+        _check(model, reference, compiled, x)
+        # block 0 traced, 1 traced (shift), 2 stamped, 3 traced (eval), 4 traced (tanh=False)
+        assert graphs == [(4, 1)]
+        # a stamped block changed after compiling: its moved guards fail, so Dynamo traces again
+        for m in (model, reference):
+            m.layers[2].gate.shift = 2
+        _check(model, reference, compiled, x)
+        assert len(graphs) == 2
+        for m in (model, reference):
+            m.layers[2].train(False)
+        _check(model, reference, compiled, x)
+        assert len(graphs) == 3
+        _check(model, reference, compiled, x)  # and nothing more compiles
+        assert len(graphs) == 3
+

@@ -442,6 +442,8 @@ def before_call(forward: Any) -> Any:
         source = getattr(self_vt, "source", None)
         if not isinstance(block, nn.Module) or source is None:
             return
+        if len(tx.output.tracers) != 1:  # inside another higher-order op's body (activation checkpointing):
+            return                       # passes/stamp.py rewrites the outer graph only
         try:
             signature, proxies = _signature(ctx, tx, forward)
         except _Refuse as why:

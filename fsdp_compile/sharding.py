@@ -62,7 +62,7 @@ def _traced_unshard(p: ShardedParam, shard: Tensor) -> Tensor:
 
 def _accumulator(p: ShardedParam) -> Tensor | None:
     """The leaf a read passes while its unit accumulates without sync (NOTE [no-sync]), else ``None``."""
-    return p.accumulator if p.unit.accumulating else None
+    return p.accumulator if p.accumulating else None
 
 
 def _traced_property(name: str, original: property) -> property:
@@ -281,7 +281,8 @@ def fully_shard(
         sp = seen.get(p)
         if sp is None:
             p.grad = None
-            sp = ShardedParam(shard=p, full_shape=tuple(p.shape), local_name=fqn, unit=unit)
+            sp = ShardedParam(shard=p, full_shape=tuple(p.shape), local_name=fqn, unit=unit,
+                             accumulating=unit.accumulating)
             seen[p] = sp
             unit.params.append(sp)
         pname = fqn.rsplit(".", 1)[-1]

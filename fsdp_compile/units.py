@@ -59,6 +59,12 @@ class Unit:
         [no-sync] in ``accumulate.py``)."""
         return not self.requires_grad_sync or self.pending
 
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name in ("requires_grad_sync", "pending"):  # each param keeps its own copy (ShardedParam.accumulating)
+            for p in getattr(self, "params", ()):
+                p.accumulating = self.accumulating
+
     @property
     def module(self) -> nn.Module:
         module = self.module_ref()
@@ -80,6 +86,9 @@ class ShardedParam:
     accumulator: Tensor | None = None  # the leaf that collects full grads without sync (accumulate.py)
     marker_args: tuple = ()  # fsdp::unshard's constant arguments, set whenever units are (re)numbered
     traced_args: tuple = ()  # what compiled code passes instead: no unit or name when outlined (NOTE [outlined units])
+    # Its unit's ``accumulating``, kept by the unit: a compiled read checks this flag of its own, not the
+    # unit every param of it shares (which Dynamo guards, for each param, as one object: NOTE [stamped blocks]).
+    accumulating: bool = False
 
     @property
     def fqn(self) -> str:

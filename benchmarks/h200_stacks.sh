@@ -3,7 +3,8 @@
 # the blocks as one BlockStack (traced once, unrolled into calls of one body: NOTE [stacked blocks],
 # NOTE [unrolled stacks]) beside the outlined default and SimpleFSDP; Llama blocks of D=1024, 1x1024
 # tokens, bf16.
-#   compile  cold compile by stage at 4 and 32 blocks, outlined and stacked, 20 timed fwd+bwd steps each;
+#   compile  cold compile by stage at 4 and 32 blocks, outlined (its later blocks stamped out of the first
+#            one's trace: NOTE [stamped blocks]) and stacked, 20 timed fwd+bwd steps each;
 #   simple   SimpleFSDP's cold compile at 4 blocks (the depth where it is fastest);
 #   simple2  the same beside the stack and the outlined form, alternated, ROUNDS rounds, on a fake group of
 #            2 ranks: every variant compiles world 2's collectives (at world 1 SimpleFSDP issues none);

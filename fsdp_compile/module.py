@@ -6,9 +6,10 @@ unit of the same class (NOTE [outlined units]).
 
 NOTE [outlined units]: a deep model is mostly one block repeated. A whole-model graph hands Dynamo,
 AOTAutograd and Inductor one copy of the block's ops per block, so compile time grows with depth. An
-outlined unit's ``forward`` is a ``torch.compiler.nested_compile_region``: Dynamo traces it once and
-emits every block as a call of one ``invoke_subgraph`` body, which AOTAutograd partitions once and
-Inductor compiles once. For that, the body's trace must be the same for every block, and the
+outlined unit's ``forward`` is a ``torch.compiler.nested_compile_region``: Dynamo traces it once
+(torch 2.11's Dynamo traces every call, so there we stamp later alike blocks out of the first one's
+trace: NOTE [stamped blocks] in ``stamp.py``) and emits every block as a call of one
+``invoke_subgraph`` body, which AOTAutograd partitions once and Inductor compiles once. For that, the body's trace must be the same for every block, and the
 ``fsdp::unshard`` markers inside it are what differ: each names its unit and parameter. So compiled code
 passes the markers of outlined units without those two (``ShardedParam.traced_args``), and the backend
 fills them in from the shards each call is handed, after it has moved the markers out of the body to

@@ -40,7 +40,8 @@ from torch import Tensor, nn
 
 from passes.stamp import STAMP_TEMPLATE
 
-__all__ = ["STAMP_TEMPLATE", "stamped_call", "stamp_plan", "before_call", "after_call"]
+__all__ = ["STAMP_TEMPLATE", "after_call", "before_call", "flat_tensors", "read_own", "rebuild", "stamp_plan",
+           "stamped_call"]
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,11 @@ then on the root, as with FSDP2. After the call, each of the unit's parameters i
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -65,6 +67,25 @@ def _accumulator(p: ShardedParam) -> Tensor | None:
     return p.accumulator if p.accumulating else None
 
 
+class EagerReadRefused(RuntimeError):
+    """A sharded parameter was read inside :func:`no_eager_reads`."""
+
+
+_no_eager_reads = threading.local()
+
+
+@contextlib.contextmanager
+def no_eager_reads() -> Iterator[None]:
+    """Within the context, reading a sharded parameter on this thread raises ``EagerReadRefused`` instead of
+    gathering it: for code that inspects modules while one rank alone runs it (``stamp.py`` re-reading
+    Dynamo's guards), where a gather would be a collective that the other ranks never make."""
+    before, _no_eager_reads.on = getattr(_no_eager_reads, "on", False), True
+    try:
+        yield
+    finally:
+        _no_eager_reads.on = before
+
+
 def _traced_property(name: str, original: property) -> property:
     """NOTE [traced reads]: a sharded parameter's property as parametrize made it, except while Dynamo
     traces: then it calls the marker on the shard straight away. Through parametrize, each read is two
@@ -85,6 +106,8 @@ def _traced_property(name: str, original: property) -> property:
             sp = self._fsdp_reads.get(name)
             if sp is not None:
                 return _traced_unshard(sp, sp.shard)
+        if getattr(_no_eager_reads, "on", False):
+            raise EagerReadRefused(f"{type(self).__name__}.{name} read while eager reads are refused")
         return through_parametrize(self)  # eager, or compiled off the lean read (Unshard's marker last)
 
     return property(get, original.fset, original.fdel, original.__doc__)

@@ -273,6 +273,13 @@ def _relative(source: Any, root_name: str) -> Any:
 
 def _block_guards(tx: Any, root: Any, block: nn.Module) -> list[_BlockGuard]:
     """The guards of the trace whose source runs through the template block ``block`` (at ``root``)."""
+    from .sharding import no_eager_reads
+
+    with no_eager_reads():  # (re-reading a source must never gather a parameter: one rank runs this)
+        return _read_block_guards(tx, root, block)
+
+
+def _read_block_guards(tx: Any, root: Any, block: nn.Module) -> list[_BlockGuard]:
     scope, root_name = _scope(tx), _name(root)
     out = []
     for guard in tx.output.guards:
@@ -380,6 +387,13 @@ def _agree(kind: str, guard: Any, a: Any, b: Any) -> bool:
 
 def _check_and_move(tx: Any, template: _Template, source: Any, block: nn.Module) -> list[Any]:
     """The template's guards moved onto ``block`` (at ``source``), after checking each agrees there."""
+    from .sharding import no_eager_reads
+
+    with no_eager_reads():  # (as in _block_guards)
+        return _checked_and_moved(tx, template, source, block)
+
+
+def _checked_and_moved(tx: Any, template: _Template, source: Any, block: nn.Module) -> list[Any]:
     from torch._guards import Guard
 
     scope = _scope(tx)
@@ -415,9 +429,15 @@ def _check_and_move(tx: Any, template: _Template, source: Any, block: nn.Module)
             if a is _MISSING or b is _MISSING or hasattr(a, member) != hasattr(b, member):
                 raise _Refuse(f"{_name(here)} differs from the template's")
         elif not _agree(kind, guard, a, b):
-            raise _Refuse(f"{kind} on {_name(here)} differs from the template's ({b!r}, not {a!r})")
+            raise _Refuse(f"{kind} on {_name(here)} differs from the template's ({_shown(b)}, not {_shown(a)})")
         moved.append(_like(guard, Guard(here, guard.create_fn)))
     return moved
+
+
+def _shown(value: Any) -> str:
+    """A value for a log line: constants as they are, anything else by its type (never the object's own
+    ``repr``, which may read a sharded parameter, an eager collective that one rank alone would make)."""
+    return repr(value) if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
 
 
 def _like(template: Any, guard: Any) -> Any:

@@ -182,3 +182,51 @@ def test_only_alike_blocks_are_stamped_and_a_change_to_one_recompiles() -> None:
         _check(model, reference, compiled, x)  # and nothing more compiles
         assert len(graphs) == 3
 
+
+
+class Broken(Stack):
+    """A graph break between blocks: the blocks after it are another graph, with templates of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers[:2]:
+            x = layer(x, self.scale)
+        torch._dynamo.graph_break()
+        for layer in self.layers[2:]:
+            x = layer(x, self.scale)
+        return x
+
+
+def test_a_graph_break_between_blocks_starts_afresh() -> None:
+    x = torch.randn(4, 8)
+    with fake_process_group(1):
+        torch.manual_seed(0)
+        reference = Broken()
+        model = Broken()
+        model.load_state_dict(reference.state_dict())
+        shard_blocks_then_root(model, FsdpGroups.create())
+        graphs: list[tuple[int, int]] = []
+
+        def backend(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
+            graphs.append((_calls(gm), _stamped(gm)))
+            return ours(gm, example)
+
+        ours = make_backend()
+        setattr(backend, OUTLINES, True)
+        _check(model, reference, torch.compile(model, backend=backend), x)
+        # before the break: block 0 traced, block 1 stamped; after it: block 2 traced, 3 and 4 stamped
+        assert graphs == [(1, 1), (1, 2)], graphs
+
+
+def test_inspecting_blocks_never_gathers_a_parameter() -> None:
+    """Re-reading guards runs on one rank alone: a sharded parameter read there must raise, not gather
+    (an eager all-gather the other ranks never make would hang them)."""
+    from fsdp_compile.sharding import EagerReadRefused, no_eager_reads
+
+    with fake_process_group(2):
+        model = shard_blocks_then_root(Stack(n=2), FsdpGroups.create())
+        with no_eager_reads(), pytest.raises(EagerReadRefused):
+            model.layers[0].up.weight
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the slow path's warning)
+            assert model.layers[0].up.weight.shape == (16, 8)  # outside it, an eager read gathers again

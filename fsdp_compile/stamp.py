@@ -21,8 +21,7 @@ known to agree: a guard of a kind we do not re-check, a block tensor the body re
 its shards, buffers or parameters, a non-constant argument, symbolic shapes, a call inside another
 higher-order op's body. What this cannot see is state a block's forward reaches other than through the
 block or its arguments (a global table keyed by the block object, say): the template's guards on it
-hold for the template only, as in torch 2.13's own reuse. Such a block must be sharded with
-``fully_shard(..., outline=False)``.
+hold for the template only. Such a block must be sharded with ``fully_shard(..., outline=False)``.
 
 The decisions run inside Dynamo's trace (``comptime``, with Dynamo's variables and guards at hand) and
 reach the traced code as constants (``assume_constant_result``); their state lives on the trace's output

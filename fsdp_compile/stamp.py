@@ -221,13 +221,23 @@ def _depth(source: Any, root: Any) -> int | None:
     return None
 
 
-def _moved(source: Any, depth: int, to: Any, memo: dict[int, Any]) -> Any:
-    """``source`` with its base ``depth`` steps up replaced by ``to``."""
+def _moved(source: Any, depth: int, root: Any, to: Any, memo: dict[int, Any]) -> Any:
+    """``source`` with its base ``depth`` steps up (``root``) replaced by ``to``, and so is ``root`` in any
+    source it holds besides its base (a dict item's key, read from the block's own dict of hooks, say)."""
     if depth == 0:
         return to
     done = memo.get(id(source))
     if done is None:
-        done = memo[id(source)] = dataclasses.replace(source, base=_moved(source.base, depth - 1, to, memo))
+        from torch._guards import Source
+
+        changes = {"base": _moved(source.base, depth - 1, root, to, memo)}
+        for field in dataclasses.fields(source):
+            value = getattr(source, field.name)
+            if field.name != "base" and isinstance(value, Source):
+                below = _depth(value, root)
+                if below is not None:
+                    changes[field.name] = _moved(value, below, root, to, memo)
+        done = memo[id(source)] = dataclasses.replace(source, **changes)
     return done
 
 
@@ -379,7 +389,7 @@ def _agree(kind: str, guard: Any, a: Any, b: Any) -> bool:
         return type(a) is type(b) and list(a.keys()) == list(b.keys())
     if kind == "EMPTY_NN_MODULE_HOOKS_DICT":
         return len(a) == 0 and len(b) == 0
-    if kind in ("DICT_CONTAINS", "SET_CONTAINS"):
+    if kind in ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS"):
         key = guard.create_fn.keywords.get("key")
         return (key in a) == (key in b)
     if kind == "NOT_PRESENT_IN_GENERIC_DICT":
@@ -416,11 +426,11 @@ def _checked_and_moved(tx: Any, template: _Template, source: Any, block: nn.Modu
                     a.shape, a.stride(), a.dtype, a.device, a.requires_grad):
                 raise _Refuse(f"{_name(guard.originating_source)} differs from the template's")
             continue  # (guarded where the stamped call reads it)
-        here = _moved(guard.originating_source, record.depth, source, memo)
+        here = _moved(guard.originating_source, record.depth, template.source, source, memo)
         if kind == "DUPLICATE_INPUT":  # two sources, one object
             other_depth, other_code, _ = record.other
             other = guard.create_fn.keywords["source_b"]
-            there = _moved(other, other_depth, source, memo) if other_depth is not None else other
+            there = other if other_depth is None else _moved(other, other_depth, template.source, source, memo)
             b_other = _evaluate(other_code, scope, block) if other_code is not None else _evaluate(
                 compile(_name(other), "<fsdp_compile.stamp>", "eval"), scope, block)
             if b is _MISSING or b is not b_other:

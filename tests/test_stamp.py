@@ -230,3 +230,28 @@ def test_inspecting_blocks_never_gathers_a_parameter() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the slow path's warning)
             assert model.layers[0].up.weight.shape == (16, 8)  # outside it, an eager read gathers again
+
+
+def test_blocks_with_hooks_of_their_own_are_stamped() -> None:
+    """Mixed precision casts at each block's boundary with forward hooks of its own, whose dict keys (hook
+    ids) differ from block to block: the moved guards read each block's own keys."""
+    from fsdp_compile import MixedPrecisionPolicy
+
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = shard_blocks_then_root(Transformer(SMALL.with_(n_layers=3)), FsdpGroups.create(), mp_policy=mp)
+        assert all(block._forward_pre_hooks for block in model.layers)
+        counts: list[tuple[int, int]] = []
+
+        def backend(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
+            counts.append((_calls(gm), _stamped(gm)))
+            return ours(gm, example)
+
+        ours = make_backend(inductor=False)
+        setattr(backend, OUTLINES, True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.compile(model, backend=backend)(tokens).float().sum().backward()
+        assert counts == [(1, 2)]

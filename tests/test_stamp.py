@@ -41,6 +41,18 @@ def _calls(gm: fx.GraphModule) -> int:
     return len(gm.graph.find_nodes(op="call_function", target=invoke_subgraph))
 
 
+def _counting(counts: list[tuple[int, int]], **backend_kw: object) -> object:
+    """Our backend, first noting each graph's calls of a body and stamped calls as Dynamo hands it over."""
+    ours = make_backend(**backend_kw)
+
+    def backend(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
+        counts.append((_calls(gm), _stamped(gm)))
+        return ours(gm, example)
+
+    setattr(backend, OUTLINES, True)  # (it is ours: NOTE [regions for our backend only])
+    return backend
+
+
 def _dynamo_graphs(model: nn.Module, *inputs: torch.Tensor) -> list[tuple[int, int, fx.GraphModule]]:
     """For each graph Dynamo hands a backend for ``model(*inputs)``: its calls of a body and its stamped
     calls, then the graph after ``stamp_out_pass``."""
@@ -159,13 +171,7 @@ def test_only_alike_blocks_are_stamped_and_a_change_to_one_recompiles() -> None:
             m.tanh[4] = False              # a constant argument of its call
         shard_blocks_then_root(model, FsdpGroups.create())
         graphs: list[tuple[int, int]] = []  # (calls traced, calls stamped) of each graph compiled
-
-        def backend(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
-            graphs.append((_calls(gm), _stamped(gm)))
-            return ours(gm, example)
-
-        ours = make_backend()
-        setattr(backend, OUTLINES, True)
+        backend = _counting(graphs)
         compiled = torch.compile(model, backend=backend)
         _check(model, reference, compiled, x)
         # block 0 traced, 1 traced (shift), 2 stamped, 3 traced (eval), 4 traced (tanh=False)
@@ -205,14 +211,8 @@ def test_a_graph_break_between_blocks_starts_afresh() -> None:
         model = Broken()
         model.load_state_dict(reference.state_dict())
         shard_blocks_then_root(model, FsdpGroups.create())
-        graphs: list[tuple[int, int]] = []
-
-        def backend(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
-            graphs.append((_calls(gm), _stamped(gm)))
-            return ours(gm, example)
-
-        ours = make_backend()
-        setattr(backend, OUTLINES, True)
+        graphs: list[tuple[int, int]] = []  # (calls traced, calls stamped) of each graph compiled
+        backend = _counting(graphs)
         _check(model, reference, torch.compile(model, backend=backend), x)
         # before the break: block 0 traced, block 1 stamped; after it: block 2 traced, 3 and 4 stamped
         assert graphs == [(1, 1), (1, 2)], graphs
@@ -244,13 +244,7 @@ def test_blocks_with_hooks_of_their_own_are_stamped() -> None:
         model = shard_blocks_then_root(Transformer(SMALL.with_(n_layers=3)), FsdpGroups.create(), mp_policy=mp)
         assert all(block._forward_pre_hooks for block in model.layers)
         counts: list[tuple[int, int]] = []
-
-        def backend(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
-            counts.append((_calls(gm), _stamped(gm)))
-            return ours(gm, example)
-
-        ours = make_backend(inductor=False)
-        setattr(backend, OUTLINES, True)
+        backend = _counting(counts, inductor=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.compile(model, backend=backend)(tokens).float().sum().backward()

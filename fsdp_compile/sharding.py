@@ -9,11 +9,9 @@ then on the root, as with FSDP2. After the call, each of the unit's parameters i
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +24,7 @@ from .grads import ShardGrad, as_shard_grad
 from .groups import FsdpGroups
 from .module import FsdpModule, forward_of, mix_in
 from .ops import ANONYMOUS_UNIT, shard_rows
+from .reads import accumulator, traced_property, traced_unshard
 from .stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
 from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of
 
@@ -41,9 +40,9 @@ class Unshard(nn.Module):
 
     def forward(self, shard: Tensor) -> Tensor:
         if torch.compiler.is_compiling():
-            return _traced_unshard(self.param, shard)
+            return traced_unshard(self.param, shard)
         p = self.param
-        full = torch.ops.fsdp.unshard(shard, *p.marker_args, _accumulator(p))
+        full = torch.ops.fsdp.unshard(shard, *p.marker_args, accumulator(p))
         return gathered(full, p)  # NOTE [reading a sharded parameter]
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
@@ -54,63 +53,6 @@ class Unshard(nn.Module):
             return tensor
         self.param.sharded = True
         return _local_shard(tensor.detach(), self.param)
-
-
-def _traced_unshard(p: ShardedParam, shard: Tensor) -> Tensor:
-    """The marker compiled code calls (NOTE [traced reads]); the arguments are computed once
-    (``traced_args``), not re-read per trace."""
-    return torch.ops.fsdp.unshard(shard, *p.traced_args, _accumulator(p))  # NOTE [outlined units]
-
-
-def _accumulator(p: ShardedParam) -> Tensor | None:
-    """The leaf a read passes while its unit accumulates without sync (NOTE [no-sync]), else ``None``."""
-    return p.accumulator if p.accumulating else None
-
-
-class EagerReadRefused(RuntimeError):
-    """A sharded parameter was read inside :func:`no_eager_reads`."""
-
-
-_no_eager_reads = threading.local()
-
-
-@contextlib.contextmanager
-def no_eager_reads() -> Iterator[None]:
-    """Within the context, reading a sharded parameter on this thread raises ``EagerReadRefused`` instead of
-    gathering it: for code that inspects modules while one rank alone runs it (``stamp.py`` re-reading
-    Dynamo's guards), where a gather would be a collective that the other ranks never make."""
-    before, _no_eager_reads.on = getattr(_no_eager_reads, "on", False), True
-    try:
-        yield
-    finally:
-        _no_eager_reads.on = before
-
-
-def _traced_property(name: str, original: property) -> property:
-    """NOTE [traced reads]: a sharded parameter's property as parametrize made it, except while Dynamo
-    traces: then it calls the marker on the shard straight away. Through parametrize, each read is two
-    module calls (the parametrization list, then ``Unshard``) that Dynamo traces with their hook checks,
-    about as much work as the rest of a block's tracing, and as many guards; this reads the same shard and
-    makes the same marker call.
-
-    The shard is reached through the module's own ``_fsdp_reads`` dict (name -> ShardedParam), not
-    through parametrize's modules: at 32 blocks on torch 2.11's inline trace those modules and their
-    lookups were 2.0 of the 3.4 s that sharding added (``benchmarks/dynamo_reads.py``). A parameter
-    given parametrizations of its own besides ``Unshard`` leaves that dict (``_Chain``), so the trace
-    guarding on it compiles again, through parametrize's path, which applies them all."""
-    through_parametrize = original.fget
-    assert through_parametrize is not None
-
-    def get(self: nn.Module) -> Tensor:
-        if torch.compiler.is_compiling():
-            sp = self._fsdp_reads.get(name)
-            if sp is not None:
-                return _traced_unshard(sp, sp.shard)
-        if getattr(_no_eager_reads, "on", False):
-            raise EagerReadRefused(f"{type(self).__name__}.{name} read while eager reads are refused")
-        return through_parametrize(self)  # eager, or compiled off the lean read (Unshard's marker last)
-
-    return property(get, original.fset, original.fdel, original.__doc__)
 
 
 class _Chain(parametrize.ParametrizationList):
@@ -312,7 +254,7 @@ def fully_shard(
         with torch.no_grad():
             parametrize.register_parametrization(owner, pname, Unshard(sp), unsafe=True)
         cls = type(owner)  # parametrize's class for this module alone, holding one property per name
-        setattr(cls, pname, _traced_property(pname, cls.__dict__[pname]))
+        setattr(cls, pname, traced_property(pname, cls.__dict__[pname]))
         _lean_read(owner, pname, sp if stack is None else None)  # a stack's body reads through parametrize
         if _params.get(p) is None:
             _register_grad_hook(p, _hand_out_global_grads(sp))

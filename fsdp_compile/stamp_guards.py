@@ -117,7 +117,7 @@ def _relative(source: Any, root_name: str) -> Any:
 
 def block_guards(tx: Any, root: Any, block: nn.Module) -> list[BlockGuard]:
     """The guards of the trace whose source runs through the template block ``block`` (at ``root``)."""
-    from .sharding import no_eager_reads
+    from .reads import no_eager_reads
 
     with no_eager_reads():  # (re-reading a source must never gather a parameter: one rank runs this)
         return _read_block_guards(tx, root, block)
@@ -230,7 +230,7 @@ def _agree(kind: str, guard: Any, a: Any, b: Any) -> bool:
 
 def check_and_move(tx: Any, template: Any, source: Any, block: nn.Module) -> list[Any]:
     """The template's guards moved onto ``block`` (at ``source``), after checking each agrees there."""
-    from .sharding import no_eager_reads
+    from .reads import no_eager_reads
 
     with no_eager_reads():  # (as in _block_guards)
         return _checked_and_moved(tx, template, source, block)

@@ -8,7 +8,7 @@ own, and a change to one block after compiling recompiles, with eager numbers ea
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -137,6 +137,19 @@ class Stack(nn.Module):
         return x
 
 
+def _twins(cls: type[Stack], alter: Callable[[Stack], None] = lambda m: None) -> tuple[Stack, Stack, nn.Module, list]:
+    """A model of ``cls`` sharded (one rank) and compiled by our backend counting its calls, and its
+    unsharded reference with the same weights; ``alter`` changes both alike before sharding."""
+    torch.manual_seed(0)
+    reference, model = cls(), cls()
+    model.load_state_dict(reference.state_dict())
+    for m in (model, reference):
+        alter(m)
+    shard_blocks_then_root(model, FsdpGroups.create())
+    graphs: list[tuple[int, int]] = []  # (calls traced, calls stamped) of each graph compiled
+    return model, reference, torch.compile(model, backend=_counting(graphs)), graphs
+
+
 def _check(model: nn.Module, reference: nn.Module, compiled: nn.Module, x: torch.Tensor) -> None:
     """``compiled`` (sharded ``model``) gives ``reference``'s output and gradients."""
     for m in (model, reference):
@@ -161,18 +174,12 @@ def test_only_alike_blocks_are_stamped_and_a_change_to_one_recompiles() -> None:
     stamped block afterwards (its attribute, its mode) recompiles instead of running the template's code."""
     x = torch.randn(4, 8)
     with fake_process_group(1):
-        torch.manual_seed(0)
-        reference = Stack()
-        model = Stack()
-        model.load_state_dict(reference.state_dict())
-        for m in (model, reference):
+        def unalike(m: Stack) -> None:
             m.layers[1].gate.shift = 1     # an attribute the forward reads
             m.layers[3].gate.eval()        # its mode
             m.tanh[4] = False              # a constant argument of its call
-        shard_blocks_then_root(model, FsdpGroups.create())
-        graphs: list[tuple[int, int]] = []  # (calls traced, calls stamped) of each graph compiled
-        backend = _counting(graphs)
-        compiled = torch.compile(model, backend=backend)
+
+        model, reference, compiled, graphs = _twins(Stack, unalike)
         _check(model, reference, compiled, x)
         # block 0 traced, 1 traced (shift), 2 stamped, 3 traced (eval), 4 traced (tanh=False)
         assert graphs == [(4, 1)]
@@ -206,14 +213,8 @@ class Broken(Stack):
 def test_a_graph_break_between_blocks_starts_afresh() -> None:
     x = torch.randn(4, 8)
     with fake_process_group(1):
-        torch.manual_seed(0)
-        reference = Broken()
-        model = Broken()
-        model.load_state_dict(reference.state_dict())
-        shard_blocks_then_root(model, FsdpGroups.create())
-        graphs: list[tuple[int, int]] = []  # (calls traced, calls stamped) of each graph compiled
-        backend = _counting(graphs)
-        _check(model, reference, torch.compile(model, backend=backend), x)
+        model, reference, compiled, graphs = _twins(Broken)
+        _check(model, reference, compiled, x)
         # before the break: block 0 traced, block 1 stamped; after it: block 2 traced, 3 and 4 stamped
         assert graphs == [(1, 1), (1, 2)], graphs
 
@@ -221,7 +222,7 @@ def test_a_graph_break_between_blocks_starts_afresh() -> None:
 def test_inspecting_blocks_never_gathers_a_parameter() -> None:
     """Re-reading guards runs on one rank alone: a sharded parameter read there must raise, not gather
     (an eager all-gather the other ranks never make would hang them)."""
-    from fsdp_compile.sharding import EagerReadRefused, no_eager_reads
+    from fsdp_compile.reads import EagerReadRefused, no_eager_reads
 
     with fake_process_group(2):
         model = shard_blocks_then_root(Stack(n=2), FsdpGroups.create())

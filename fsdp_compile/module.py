@@ -80,8 +80,9 @@ def _outlined_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             comptime(before)  # NOTE [stamped blocks]
             plan = stamp.stamp_plan()
             if plan is not None:
-                key, roles, spec = plan
-                flat = stamp.stamped_call(key, stamp.flat_tensors((args, kwargs), []), stamp.read_own(self, roles))
+                key, places, others, spec = plan
+                own = [*self._fsdp_shards, *stamp.read_own(self, others)]
+                flat = stamp.stamped_call(key, stamp.flat_tensors((args, kwargs), []), own, places)
                 return stamp.rebuild(spec, flat)
             out = region(self, *args, **kwargs)
             comptime(stamp.after_call)

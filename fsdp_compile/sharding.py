@@ -261,6 +261,9 @@ def fully_shard(
         _params[p] = sp
     if stack is not None:
         add_sharded_block(stack, module, unit)
+    # A stamped call of this block reads its shards from here: one attribute, not a chain per shard
+    # (NOTE [stamped blocks] in stamp.py). Fixed for the unit's life, as its ShardedParams are.
+    module.__dict__["_fsdp_shards"] = tuple(sp.shard for sp in unit.params)
     return _register_unit(module, unit, mp_policy)
 
 

@@ -55,7 +55,7 @@ _outputs: dict[int, list[Any]] = {}
 
 
 @torch.library.custom_op("fsdp::stamped", mutates_args=())
-def stamped_call(key: int, args: list[Tensor], own: list[Tensor]) -> list[Tensor]:
+def stamped_call(key: int, args: list[Tensor], own: list[Tensor], places: list[int]) -> list[Tensor]:
     """A stamped block's call (NOTE [stamped blocks]): only ever traced, and replaced before AOTAutograd."""
     raise RuntimeError("fsdp::stamped ran: a stamped block's call reached a backend other than fsdp_backend "
                        "(passes/stamp.py replaces it). Compile with fsdp_compile's backend, or shard the blocks "
@@ -63,7 +63,7 @@ def stamped_call(key: int, args: list[Tensor], own: list[Tensor]) -> list[Tensor
 
 
 @stamped_call.register_fake
-def _(key: int, args: list[Tensor], own: list[Tensor]) -> list[Tensor]:
+def _(key: int, args: list[Tensor], own: list[Tensor], places: list[int]) -> list[Tensor]:
     return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in _outputs[key]]
 
 
@@ -170,6 +170,33 @@ def _signature(ctx: Any, tx: Any, forward: Any) -> tuple[Any, list[Any]]:
 # A block's own tensors
 # ---------------------------------------------------------------------------------------------
 
+def _readers(block: nn.Module, roles: tuple[tuple[tuple[str, ...], str, str], ...]) -> tuple[Any, Any]:
+    """How a stamped call of ``block`` reads the tensors of ``roles``: ``(places, others)``. The call hands
+    its op the block's ``_fsdp_shards`` followed by the ``others`` roles read one by one; ``places[j]`` is
+    where role ``j`` is in that list. Reaching a shard through its submodule, the module's dict of reads
+    and the read costs Dynamo a variable and guards each step: a third of a stamped block's trace;
+    the tuple is one attribute. Reading a shard there is reading it by role: the tuple holds the unit's
+    ShardedParams' shards, fixed for the unit's life, and the moved guards hold the role's path and
+    its ``_fsdp_reads`` entry the same as the template's."""
+    shards = block.__dict__.get("_fsdp_shards", ())
+    at = {id(t): i for i, t in enumerate(shards)}
+    places: list[int] = []
+    others: list[Any] = []
+    for role in roles:
+        parts, kind, name = role
+        place = None
+        if kind == "shard":
+            m = block
+            for part in parts:
+                m = getattr(m, part)
+            place = at.get(id(m._fsdp_reads[name].shard))
+        if place is None:
+            place = len(shards) + len(others)
+            others.append(role)
+        places.append(place)
+    return tuple(places), tuple(others)
+
+
 def read_own(block: nn.Module, roles: tuple[tuple[tuple[str, ...], str, str], ...]) -> list[Tensor]:
     """The block's tensors of ``roles`` (traced by Dynamo for a stamped call)."""
     out = []
@@ -222,7 +249,7 @@ def before_call(forward: Any) -> Any:
             return
         for guard in guards:  # (their stacks are the template's: no new ones collected)
             tx.output.guards.add(guard, collect_debug_stack=False)
-        state.plan = (template.key, template.roles, template.out_spec)
+        state.plan = (template.key, *_readers(block, template.roles), template.out_spec)
 
     return hook
 

@@ -2,16 +2,17 @@
 
 NOTE [stamped calls]: where Dynamo would trace every outlined block again (torch 2.11), the first call of
 a block's region is traced (the *template*) and each later call of an alike block is one
-``fsdp::stamped(key, args, own)`` op (NOTE [stamped blocks] in ``fsdp_compile/stamp.py``): ``args`` are
-the call's tensor arguments, ``own`` the block's tensors that the template's body reads (its shards and
-buffers). The template's ``invoke_subgraph`` node carries, in ``node.meta[STAMP_TEMPLATE]``, its key, a
+``fsdp::stamped(key, args, own, places)`` op (NOTE [stamped blocks] in ``fsdp_compile/stamp.py``):
+``args`` are the call's tensor arguments, ``own`` the block's tensors (its shards, then any other
+buffer or parameter the template's body reads), ``places[j]`` where the body's j-th own tensor is in
+``own``. The template's ``invoke_subgraph`` node carries, in ``node.meta[STAMP_TEMPLATE]``, its key, a
 plan of its operands (``("arg", i)``: the call's i-th tensor argument; ``("own", j)``: the block's j-th
 own tensor; ``("same",)``: the same node for every call, a tensor that is no block's) and which of its
 outputs the call's result holds. This pass, run on Dynamo's graph before anything else, gives each
 stamped op the template's call with its own operands in the template's places::
 
     before:  y0 = invoke_subgraph(body, 'id', x0, w0_a, w0_b, rope)[0]     # meta: (1, arg 0, own 0, own 1, same)
-             y1 = fsdp.stamped(1, [y0], [w1_a, w1_b])[0]
+             y1 = fsdp.stamped(1, [y0], [w1_b, w1_a], [1, 0])[0]
     after:   y1 = invoke_subgraph(body, 'id', y0, w1_a, w1_b, rope)[0]
 
 which is the graph Dynamo gives when it traces every block (and finds their bodies equal).
@@ -46,12 +47,16 @@ def _fresh(value: Any) -> Any:
 
 
 def _stamp_out(graph: fx.Graph, node: fx.Node, template: fx.Node) -> None:
-    key, args, own = node.args
+    key, args, own, places = node.args
     _, plan, out_index = template.meta[STAMP_TEMPLATE]
     operands = []
     for entry, operand in zip(plan, template.args[2:]):
         kind = entry[0]
-        operands.append(args[entry[1]] if kind == "arg" else own[entry[1]] if kind == "own" else operand)  # type: ignore[index]
+        if kind == "arg":
+            operand = args[entry[1]]  # type: ignore[index]
+        elif kind == "own":
+            operand = own[places[entry[1]]]  # type: ignore[index]
+        operands.append(operand)
     with graph.inserting_before(node):
         call = graph.call_function(_invoke_subgraph, (template.args[0], template.args[1], *operands))
     values = template.meta.get("example_value")

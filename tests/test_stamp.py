@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from torch import fx, nn
+from torch.nn.utils import parametrize
 
 from fsdp_compile import FsdpGroups, _compat, make_backend
 from fsdp_compile.backend import observe_graphs
@@ -137,7 +138,7 @@ class Stack(nn.Module):
         return x
 
 
-def _twins(cls: type[Stack], alter: Callable[[Stack], None] = lambda m: None) -> tuple[Stack, Stack, nn.Module, list]:
+def _twins(cls: Callable[[], Stack], alter: Callable[[Stack], None] = lambda m: None) -> tuple[Stack, Stack, nn.Module, list]:
     """A model of ``cls`` sharded (one rank) and compiled by our backend counting its calls, and its
     unsharded reference with the same weights; ``alter`` changes both alike before sharding."""
     torch.manual_seed(0)
@@ -195,6 +196,28 @@ def test_only_alike_blocks_are_stamped_and_a_change_to_one_recompiles() -> None:
         _check(model, reference, compiled, x)  # and nothing more compiles
         assert len(graphs) == 3
 
+
+def test_a_stamped_block_whose_weight_gains_a_parametrization_is_traced_again() -> None:
+    """A stamped call reads the block's shards from one tuple (``stamp._readers``); a parametrization added
+    to one of its weights after compiling takes that weight off the shard's lean read: the block is traced
+    again and reads the new weight, its alike neighbours are stamped still."""
+    x = torch.randn(4, 8)
+    with fake_process_group(1):
+        model, reference, compiled, graphs = _twins(lambda: Stack(n=3))
+        _check(model, reference, compiled, x)
+        assert graphs == [(1, 2)]
+        for m in (model, reference):
+            parametrize.register_parametrization(m.layers[1].down, "weight", _Halved(), unsafe=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(compiled(x), reference(x))
+        assert graphs == [(1, 2), (2, 1)]  # block 0 traced, block 1 traced apart, block 2 stamped
+
+
+
+class _Halved(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 0.5
 
 
 class Broken(Stack):

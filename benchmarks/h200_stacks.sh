@@ -8,7 +8,8 @@
 #   simple   SimpleFSDP's cold compile at 4 blocks (the depth where it is fastest);
 #   simple2  the same beside the stack and the outlined form, alternated, ROUNDS rounds, on a fake group of
 #            2 ranks: every variant compiles world 2's collectives (at world 1 SimpleFSDP issues none);
-#   warm     second process start against the first (every cache on), stacked, 4 and 32 blocks;
+#   warm     second process start against the first (every cache on), stacked, 4 and 32 blocks (WARM_VARIANTS,
+#            WARM_LAYERS, WARM_TAG: other variants, depths, and the JSON's name);
 #   step     full training step (AdamW), outlined against stacked, 16 blocks, alternated rounds;
 #   bound    the same at a GPU-bound shape: 4 x D=4096, 2x2048 tokens;
 #   peers    training step beside SimpleFSDP and FSDP2 + compile (collectives elided at world 1), 16 blocks;
@@ -44,8 +45,9 @@ for PART in $PARTS; do
       --variants fsdp-compile-stacked simplefsdp fsdp-compile --json "$OUT/compile_time-cold-cuda-w2fake-L4-simplefsdp.json" \
       2>&1 | quiet | tail -6 ;;
   warm)
-    timeout 200 python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers 4 32 --warm-start \
-      --variants fsdp-compile-stacked --json "$OUT/compile_time-warm-cuda-w1-stacks.json" 2>&1 | quiet | tail -8 ;;
+    timeout 200 python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers ${WARM_LAYERS:-4 32} --warm-start \
+      --variants ${WARM_VARIANTS:-fsdp-compile-stacked} --json "$OUT/compile_time-warm-cuda-w1-${WARM_TAG:-stacks}.json" \
+      2>&1 | quiet | tail -8 ;;
   step)
     timeout 300 python3 -m benchmarks.step_time --preset gpu-llama-1024 --layers 16 --spawn 1 --rounds 3 --no-png \
       --profile-steps 0 --variants fsdp-compile-keep,fsdp-compile-keep-stacked \

@@ -80,9 +80,10 @@ def _outlined_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             comptime(before)  # NOTE [stamped blocks]
             plan = stamp.stamp_plan()
             if plan is not None:
-                key, places, others, spec = plan
+                key, positional, places, others, spec = plan
                 own = [*self._fsdp_shards, *stamp.read_own(self, others)]
-                flat = stamp.stamped_call(key, stamp.flat_tensors((args, kwargs), []), own, places)
+                tensors = list(args) if positional else stamp.flat_tensors((args, kwargs), [])
+                flat = stamp.stamped_call(key, tensors, own, places)
                 return stamp.rebuild(spec, flat)
             out = region(self, *args, **kwargs)
             comptime(stamp.after_call)

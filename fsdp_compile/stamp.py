@@ -147,6 +147,14 @@ def _leaves(vt: Any, proxies: list[Any]) -> Any:
     raise Refuse(f"an argument of kind {type(vt).__name__}")
 
 
+def _positional(signature: Any) -> bool:
+    """Whether a call's tensors are its positional arguments, all of them, in order, and nothing else (a
+    block's usual call: ``layer(x, cos, sin)``): its traced code then hands the op ``list(args)`` rather
+    than walking the arguments (``flat_tensors``, a few calls Dynamo traces per block)."""
+    (_, items), kwargs = signature[1]
+    return kwargs == ("D", ()) and all(item[0] == "T" for item in items)
+
+
 def _contexts(tx: Any) -> tuple[Any, ...]:
     """The context managers active around the call (grad mode, autocast, ...), as constants."""
     out = []
@@ -249,7 +257,7 @@ def before_call(forward: Any) -> Any:
             return
         for guard in guards:  # (their stacks are the template's: no new ones collected)
             tx.output.guards.add(guard, collect_debug_stack=False)
-        state.plan = (template.key, *_readers(block, template.roles), template.out_spec)
+        state.plan = (template.key, _positional(signature), *_readers(block, template.roles), template.out_spec)
 
     return hook
 

@@ -10,7 +10,8 @@ source runs through the block: its attributes, submodule types, ``training`` fla
 markers' arguments) are re-read on this block, and when all agree, and the call's arguments agree with
 the template's (the same constants, tensors of the same shape, strides, dtype, device and
 ``requires_grad``, aliased alike, under the same grad mode and context managers), the call is not traced:
-it becomes one ``fsdp::stamped`` op that reads the block's own tensors and the call's tensor arguments.
+it becomes one ``fsdp::stamped`` op that reads the block's own tensors (its shards as the one tuple
+``fully_shard`` keeps on the module, ``_readers``) and the call's tensor arguments.
 The same guards, moved onto this block, join the graph's guards, so a later change to one block (its
 ``eval()``, an attribute its forward reads) recompiles, exactly as if the block had been traced. Before
 AOTAutograd, ``passes/stamp.py`` turns each stamped op into a call of the template's body with the block's
@@ -186,7 +187,7 @@ def _readers(block: nn.Module, roles: tuple[tuple[tuple[str, ...], str, str], ..
     the tuple is one attribute. Reading a shard there is reading it by role: the tuple holds the unit's
     ShardedParams' shards, fixed for the unit's life, and the moved guards hold the role's path and
     its ``_fsdp_reads`` entry the same as the template's."""
-    shards = block.__dict__.get("_fsdp_shards", ())
+    shards = block._fsdp_shards  # (every unit's module has it: fully_shard)
     at = {id(t): i for i, t in enumerate(shards)}
     places: list[int] = []
     others: list[Any] = []

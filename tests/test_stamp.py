@@ -197,6 +197,11 @@ def test_only_alike_blocks_are_stamped_and_a_change_to_one_recompiles() -> None:
         assert len(graphs) == 3
 
 
+class _Halved(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 0.5
+
+
 def test_a_stamped_block_whose_weight_gains_a_parametrization_is_traced_again() -> None:
     """A stamped call reads the block's shards from one tuple (``stamp._readers``); a parametrization added
     to one of its weights after compiling takes that weight off the shard's lean read: the block is traced
@@ -212,12 +217,6 @@ def test_a_stamped_block_whose_weight_gains_a_parametrization_is_traced_again() 
             warnings.simplefilter("ignore")
             torch.testing.assert_close(compiled(x), reference(x))
         assert graphs == [(1, 2), (2, 1)]  # block 0 traced, block 1 traced apart, block 2 stamped
-
-
-
-class _Halved(nn.Module):
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w * 0.5
 
 
 class Broken(Stack):

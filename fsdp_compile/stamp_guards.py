@@ -180,15 +180,18 @@ def _alike_values(x: Any, y: Any, assumed: set[tuple[int, int]]) -> bool:
 
 def _alike_classes(a: type, b: type, assumed: set[tuple[int, int]] | None = None) -> bool:
     """The same class, or two classes made alike for two modules (``parametrize`` makes one class per
-    module it parametrizes: same name and bases, and the same properties and methods from the same code,
-    closing over alike values)."""
+    module it parametrizes: same name, alike bases, and the same properties and methods from the same
+    code, closing over alike values)."""
     if a is b:
         return True
     assumed = set() if assumed is None else assumed
     if (id(a), id(b)) in assumed:  # (a class's methods may close over the class)
         return True
     assumed.add((id(a), id(b)))
-    if a.__name__ != b.__name__ or a.__bases__ != b.__bases__ or a.__dict__.keys() != b.__dict__.keys():
+    if a.__name__ != b.__name__ or len(a.__bases__) != len(b.__bases__) or a.__dict__.keys() != b.__dict__.keys():
+        return False
+    # (a block that holds a sharded parameter itself has parametrize's class for it among its bases)
+    if not all(_alike_classes(x, y, assumed) for x, y in zip(a.__bases__, b.__bases__)):
         return False
     skip = ("__doc__", "__module__", "__dict__", "__weakref__", "__qualname__")
     return all(key in skip or _alike_values(x, b.__dict__[key], assumed) for key, x in a.__dict__.items())

@@ -219,6 +219,35 @@ def test_a_stamped_block_whose_weight_gains_a_parametrization_is_traced_again() 
         assert graphs == [(1, 2), (2, 1)]  # block 0 traced, block 1 traced apart, block 2 stamped
 
 
+class ScaledBlock(Block):
+    """A block holding a parameter itself (a layer scale), not only through its submodules: sharded, the
+    block's own class is parametrize's class for it, one per block."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__(width)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.0, width))
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, *, tanh: bool = True) -> torch.Tensor:
+        return x + (super().forward(x, scale, tanh=tanh) - x) * self.gamma
+
+
+class ScaledStack(Stack):
+    def __init__(self, n: int = 3, width: int = 8) -> None:
+        super().__init__(n, width)
+        self.layers = nn.ModuleList(ScaledBlock(width) for _ in range(n))
+
+
+def test_blocks_holding_a_parameter_themselves_are_stamped() -> None:
+    """Each block's class is then one of its own, made alike (``_alike_classes`` compares bases as
+    classes made alike too); its stamped calls read its own ``gamma``."""
+    x = torch.randn(4, 8)
+    with fake_process_group(1):
+        model, reference, compiled, graphs = _twins(ScaledStack, lambda m: m.layers[2].gamma.data.mul_(3.0))
+        assert type(model.layers[0]) is not type(model.layers[1])
+        _check(model, reference, compiled, x)
+        assert graphs == [(1, 2)]  # block 0 traced, 1 and 2 stamped (2 with its own gamma)
+
+
 class Broken(Stack):
     """A graph break between blocks: the blocks after it are another graph, with templates of its own."""
 

@@ -21,6 +21,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-compile": ("fsdp", {}),  # the default: identical blocks outlined (NOTE [outlined units])
     "fsdp-compile-whole": ("fsdp", {"outline": False}),  # one whole-model graph, every block inline
     "fsdp-compile-stacked": ("stacked", {}),  # the blocks as one BlockStack: traced once (NOTE [stacked blocks])
+    # a probe, not a mode: each block's weights as one flat parameter, i.e. one shard per unit
+    # (benchmarks/flat_probe.py: what the flat-shard design would buy at compile time)
+    "fsdp-compile-flatprobe": ("flatprobe", {}),
     "fsdp2-compile": ("fsdp2", {}),
     # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/peers.py; CUDA only)
     "simplefsdp": ("simplefsdp", {}),
@@ -92,6 +95,10 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
 
     from benchmarks.models import stack_blocks
 
+    if how == "flatprobe":
+        from benchmarks.flat_probe import flatten_blocks
+
+        flatten_blocks(model)
     groups = FsdpGroups.create()
     for block in [stack_blocks(model)] if how == "stacked" else model.layers:
         fully_shard(block, groups=groups)

@@ -35,6 +35,12 @@ _VIEW_OPS = {
     torch.ops.aten.squeeze.dim,
     torch.ops.aten.slice.Tensor,
     torch.ops.aten.select.int,
+    torch.ops.aten.narrow.default,
+    torch.ops.aten.alias.default,
+    # a weight split into pieces (a fused projection's), each piece read through a getitem
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default,
+    torch.ops.aten.unbind.int,
     torch.ops.prims.convert_element_type.default,
     torch.ops.aten._to_copy.default,
 }
@@ -101,7 +107,8 @@ def _tag_input_views(joint: fx.GraphModule) -> None:
         frontier = list(primal.users)
         while frontier:
             user = frontier.pop()
-            if user.op == "call_function" and user.target in _VIEW_OPS and "recompute" not in user.meta:
+            if (user.op == "call_function" and (user.target in _VIEW_OPS or user.target is operator.getitem)
+                    and "recompute" not in user.meta):
                 user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 user.meta["ac_graph_id"] = _AC_GRAPH_ID
                 frontier.extend(user.users)

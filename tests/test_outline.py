@@ -4,6 +4,7 @@ schedule still sees every unit's collectives; backward gathers again; nothing co
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -70,6 +71,21 @@ class Mlp(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class SplitBlock(nn.Module):
+    """A block whose forward splits a weight into pieces (a fused projection's, read as three)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wq, wk, wv = self.qkv.weight.split([x.shape[-1]] * 3)
+        h = torch.sigmoid(nn.functional.linear(x, wq)) * (x * wk[0])  # (backward reads part of the weight)
+        h = self.out(h + nn.functional.linear(x, wv).relu())
+        return (x + h).clamp(-3.0, 3.0) * 0.5 + x
 
 
 class OutlineTest(FakeWorldTestCase):
@@ -191,13 +207,18 @@ class OutlineTest(FakeWorldTestCase):
         self.assertEqual(calls(graphs["forward"]), [])
         self.assertEqual(calls(graphs["backward"]), [])
 
-    def saved_gathered(self, **shard_kw: object) -> tuple[dict[str, fx.GraphModule], list[fx.Node]]:
-        """Compile and step the 3-block model (Inductor); return its graphs and the forward outputs
-        (what backward reads) that are gathered params or views of them, looking through calls."""
-        model = torch.compile(self.sharded_small(**shard_kw), backend=make_backend())
+    def saved_gathered(self, model: nn.Module | None = None, **shard_kw: object
+                       ) -> tuple[dict[str, fx.GraphModule], list[fx.Node]]:
+        """Compile and step the 3-block model (or ``model``, sharded, on a (4, 8) input) with Inductor;
+        return its graphs and the forward outputs (what backward reads) that are gathered params or views
+        of them, looking through calls."""
+        compiled = torch.compile(model or self.sharded_small(**shard_kw), backend=make_backend())
         tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
         with observe_graphs() as seen:
-            loss_fn(model(tokens), tokens).backward()
+            if model is None:
+                loss_fn(compiled(tokens), tokens).backward()
+            else:
+                compiled(torch.randn(4, 8, requires_grad=True)).sum().backward()
         graphs = dict(seen)
         fw = graphs["forward"]
         gathered = gathered_values(fw)
@@ -207,8 +228,9 @@ class OutlineTest(FakeWorldTestCase):
             (results,) = body.graph.find_nodes(op="output")[0].args
             for user in call.users:
                 source = results[user.args[1]]
-                while source.op == "call_function" and source.target in _VIEWS:
-                    source = source.args[0]
+                while source.op == "call_function" and (source.target in _VIEWS or source.target is operator.getitem
+                                                        or source.target is torch.ops.fsdp.copy_out_rows.default):
+                    source = source.args[0]  # (a param copied out of the gathered bucket is a gathered one too)
                 if source in inputs and call.args[2 + inputs.index(source)] in gathered:
                     gathered.add(user)
         (outputs,) = fw.graph.find_nodes(op="output")[0].args
@@ -223,6 +245,16 @@ class OutlineTest(FakeWorldTestCase):
         self.assertEqual(saved, [])
         gathered = [n.meta["fsdp"]["unit"] for n in graphs["backward"].graph.nodes if is_all_gather(n)]
         self.assertEqual(sorted(gathered), [0, 1, 2, 3])
+
+    def test_a_block_splitting_its_weight_reshards_too(self) -> None:
+        # The pieces of a split weight are views of the gathered param: recomputed in backward, not saved.
+        model = Mlp()
+        model.layers = nn.ModuleList(SplitBlock() for _ in range(3))
+        graphs, saved = self.saved_gathered(shard_blocks_then_root(model, FsdpGroups.create()))
+        self.assertEqual(len(calls(graphs["backward"])), 3)
+        self.assertEqual(saved, [])
+        gathered = [n.meta["fsdp"]["unit"] for n in graphs["backward"].graph.nodes if is_all_gather(n)]
+        self.assertEqual(sorted(gathered), [0, 1, 2])
 
     def test_outlined_units_without_reshard_keep_their_params(self) -> None:
         graphs, saved = self.saved_gathered(reshard_after_forward=False)
@@ -261,4 +293,5 @@ class OutlineTest(FakeWorldTestCase):
 
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.permute.default,
           torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default,
-          torch.ops.prims.convert_element_type.default}
+          torch.ops.prims.convert_element_type.default, torch.ops.aten.select.int, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor}

@@ -9,6 +9,7 @@ them (NOTE [reshard through outlined bodies]).
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -23,27 +24,30 @@ from ._compat import inductor_joint_graph_passes, min_cut_rematerialization_part
 
 __all__ = ["partition"]
 
-_VIEW_OPS = {
-    torch.ops.aten.t.default,
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.expand.default,
-    torch.ops.aten.unsqueeze.default,
-    torch.ops.aten.squeeze.dim,
-    torch.ops.aten.slice.Tensor,
-    torch.ops.aten.select.int,
-    torch.ops.aten.narrow.default,
-    torch.ops.aten.alias.default,
-    # a weight split into pieces (a fused projection's), each piece read through a getitem
-    torch.ops.aten.split.Tensor,
-    torch.ops.aten.split_with_sizes.default,
-    torch.ops.aten.unbind.int,
+# Casts and copies read as views do: a copy of a gathered param is as large as the param.
+_COPY_OPS = {
     torch.ops.prims.convert_element_type.default,
     torch.ops.aten._to_copy.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten._unsafe_view.default,  # (a view in all but its schema)
 }
+
+
+@functools.cache
+def _reads_as_view(target: Any) -> bool:
+    """Whether a node calling ``target`` is a view (or cast, or copy) of its first input: an op whose schema
+    returns an alias of an input it does not write (``view``, ``t``, ``permute``, ``slice``, ``select``,
+    ``split``, ``unbind``, ``narrow``, ``squeeze``, ``unflatten``, ``as_strided``, ...), or one of
+    :data:`_COPY_OPS`. Read from the schema, so every view op counts, not only those a list names."""
+    if target in _COPY_OPS:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    if not schema.returns or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
 
 
 # Activation-checkpoint regions are numbered from 0 up; the partitioner turns a must-recompute node
@@ -71,7 +75,7 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
         frontier = list(node.users)
         while frontier:
             user = frontier.pop()
-            if (user.op == "call_function" and (user.target in _VIEW_OPS or user.target is operator.getitem)
+            if (user.op == "call_function" and (_reads_as_view(user.target) or user.target is operator.getitem)
                     and user.meta.get("ac_graph_id") != _AC_GRAPH_ID):
                 user.meta["recompute"] = policy
                 user.meta["ac_graph_id"] = _AC_GRAPH_ID
@@ -107,7 +111,7 @@ def _tag_input_views(joint: fx.GraphModule) -> None:
         frontier = list(primal.users)
         while frontier:
             user = frontier.pop()
-            if (user.op == "call_function" and (user.target in _VIEW_OPS or user.target is operator.getitem)
+            if (user.op == "call_function" and (_reads_as_view(user.target) or user.target is operator.getitem)
                     and "recompute" not in user.meta):
                 user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 user.meta["ac_graph_id"] = _AC_GRAPH_ID

@@ -295,3 +295,18 @@ _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.
           torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default,
           torch.ops.prims.convert_element_type.default, torch.ops.aten.select.int, torch.ops.aten.slice.Tensor,
           torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor}
+
+
+def test_what_reads_as_a_view_comes_from_the_op_schema() -> None:
+    """NOTE [reshard through outlined bodies]: the ops whose results a body recomputes from its inputs rather
+    than save are read off their schemas (an alias returned, nothing written), plus the casts and copies."""
+    from fsdp_compile.partition import _reads_as_view
+
+    aten = torch.ops.aten
+    views = [aten.view.default, aten.t.default, aten.split_with_sizes.default, aten.unbind.int, aten.narrow.default,
+             aten.squeeze.dims, aten.unflatten.int, aten.as_strided.default, aten.expand.default,
+             aten.clone.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default]
+    others = [aten.mm.default, aten.add_.Tensor, aten.index_put_.default, aten.add.Tensor, operator.getitem,
+              torch.ops._c10d_functional.wait_tensor.default, torch.ops.fsdp.unshard.default]
+    assert [op for op in views if not _reads_as_view(op)] == []
+    assert [op for op in others if _reads_as_view(op)] == []

@@ -212,7 +212,7 @@ class OutlineTest(FakeWorldTestCase):
         """Compile and step the 3-block model (or ``model``, sharded, on a (4, 8) input) with Inductor;
         return its graphs and the forward outputs (what backward reads) that are gathered params or views
         of them, looking through calls."""
-        compiled = torch.compile(model or self.sharded_small(**shard_kw), backend=make_backend())
+        compiled = torch.compile(model if model is not None else self.sharded_small(**shard_kw), backend=make_backend())
         tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
         with observe_graphs() as seen:
             if model is None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fsdp_compile.models import Block, Transformer, _rope
+from fsdp_compile.models import Block, Transformer, attend, heads, rms_norm
 
 __all__ = ["FlatBlock", "flatten_blocks"]
 
@@ -44,28 +44,21 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, weight: Tensor) -> Tensor:
-        norm = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return norm.type_as(x) * weight
+        return rms_norm(x, weight, self.eps)
 
 
 class _Attention(nn.Module):
-    def __init__(self, n_heads: int, kv_heads: int, head_dim: int) -> None:
+    def __init__(self, n_heads: int, kv_heads: int) -> None:
         super().__init__()
-        self.n_heads, self.kv_heads, self.head_dim = n_heads, kv_heads, head_dim
+        self.n_heads, self.kv_heads = n_heads, kv_heads
         self.wq, self.wk, self.wv, self.wo = _Linear(), _Linear(), _Linear(), _Linear()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, wq: Tensor, wk: Tensor, wv: Tensor,
                 wo: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        q = self.wq(x, wq).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x, wk).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x, wv).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        if self.kv_heads != self.n_heads:
-            rep = self.n_heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1), wo)
+        q = heads(self.wq(x, wq), self.n_heads)
+        k = heads(self.wk(x, wk), self.kv_heads)
+        v = heads(self.wv(x, wv), self.kv_heads)
+        return self.wo(attend(q, k, v, cos, sin), wo)
 
 
 class _FeedForward(nn.Module):
@@ -96,7 +89,7 @@ class FlatBlock(nn.Module):
         self.flat = nn.Parameter(torch.cat([w.reshape(-1) for w in weights]))
         attn = block.attn
         self.attn_norm, self.ffn_norm = _RMSNorm(block.attn_norm.eps), _RMSNorm(block.ffn_norm.eps)
-        self.attn = _Attention(attn.n_heads, attn.kv_heads, attn.head_dim)
+        self.attn = _Attention(attn.n_heads, attn.kv_heads)
         self.ffn = _FeedForward()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -65,8 +65,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        norm = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return norm.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of ``x`` over its last dim (in float32), scaled by ``weight``."""
+    norm = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return norm.type_as(x) * weight
 
 
 def _rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
@@ -94,16 +99,28 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        if self.kv_heads != self.n_heads:
-            rep = self.n_heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        q = heads(self.wq(x), self.n_heads)
+        k = heads(self.wk(x), self.kv_heads)
+        v = heads(self.wv(x), self.kv_heads)
+        return self.wo(attend(q, k, v, cos, sin))
+
+
+def heads(t: Tensor, n: int) -> Tensor:
+    """A projection ``(batch, seq, n * head_dim)`` as ``(batch, n, seq, head_dim)``."""
+    b, s, _ = t.shape
+    return t.view(b, s, n, t.shape[-1] // n).transpose(1, 2)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Causal attention of ``heads``-shaped ``q``, ``k``, ``v`` (``k`` and ``v`` may have fewer heads:
+    grouped-query attention), RoPE applied to ``q`` and ``k``; the result ``(batch, seq, heads * head_dim)``."""
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    b, _, s, _ = q.shape
+    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class FeedForward(nn.Module):

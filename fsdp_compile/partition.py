@@ -35,8 +35,8 @@ _COPY_OPS = {
 
 @functools.cache
 def _reads_as_view(target: Any) -> bool:
-    """Whether a node calling ``target`` is a view (or cast, or copy) of its first input: an op whose schema
-    returns an alias of an input it does not write (``view``, ``t``, ``permute``, ``slice``, ``select``,
+    """Whether a node calling ``target`` reads its input as a view (or a cast, or a copy): an op whose schema
+    returns an alias of an input and writes none (``view``, ``t``, ``permute``, ``slice``, ``select``,
     ``split``, ``unbind``, ``narrow``, ``squeeze``, ``unflatten``, ``as_strided``, ...), or one of
     :data:`_COPY_OPS`. Read from the schema, so every view op counts, not only those a list names."""
     if target in _COPY_OPS:

@@ -40,6 +40,7 @@ from torch import fx, nn
 from passes import NamedPass, run_passes
 from passes.absorb import absorb_copies_pass
 from passes.bucket import bucket_pass
+from passes.tiles import tiles_pass
 from passes.group import expand_markers_pass, group_markers_pass
 from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
 from passes.lower_grouped import lower_grouped_pass
@@ -73,6 +74,7 @@ from .dump import dump, report
 from .logs import log_schedule, schedule_logged
 from .module import OUTLINES
 from .partition import partition
+from .flat import flat_check, is_flat
 from .regions import outer_markers
 from .units import is_sharded
 
@@ -140,7 +142,7 @@ class BackendOptions:
         return load_hardware(self.hardware or detect_hardware(), self.calibration)
 
 
-PASS_NAMES = ("lower_unshard", "lower_reduce_grad", "bucket", "prefetch", "reduce_scatter", "streams", "absorb")
+PASS_NAMES = ("lower_unshard", "lower_reduce_grad", "bucket", "tiles", "prefetch", "reduce_scatter", "streams", "absorb")
 _graph_ids = itertools.count()
 _observers: list[Callable[[str, fx.GraphModule], None]] = []
 
@@ -166,7 +168,8 @@ def _lowering(options: BackendOptions) -> list[NamedPass]:
     reduce = functools.partial(lower_reduce_grad_pass, elide_single_rank=options.elide_single_rank)
     rank_of = (lambda group: resolve_group(group).rank()) if options.inplace_gather else None
     bucket = functools.partial(bucket_pass, rank_of=rank_of, alone_bytes=options.bucket_alone_bytes)
-    passes = [NamedPass("lower_unshard", lower), NamedPass("lower_reduce_grad", reduce), NamedPass("bucket", bucket)]
+    passes = [NamedPass("lower_unshard", lower), NamedPass("lower_reduce_grad", reduce), NamedPass("bucket", bucket),
+              NamedPass("tiles", tiles_pass)]  # NOTE [tiled gradients]
     expand = NamedPass("expand_markers", expand_markers_pass)  # NOTE [grouped markers]
     if {p.name for p in passes} & set(options.disabled_passes):  # each step seen apart: no shortcut
         return [expand, *passes]
@@ -366,10 +369,25 @@ def make_backend(
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
         with region_schemas_once():
             compiled = (aot_cached if cached else aot_uncached)(gm, example_inputs)
+        compiled = _checking_flats(compiled, flat_check(example_inputs))  # NOTE [flat shards] in flat.py
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 
     setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]
     return backend
+
+
+def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | None) -> Callable[..., Any]:
+    """``compiled``, checking before each call that the parameters are still views of the flat shards it
+    reads (NOTE [flat shards] in ``flat.py``: ``p.data = t`` copied back in, or an error)."""
+    if check is None:
+        return compiled
+
+    def run(*args: Any) -> Any:
+        check()
+        return compiled(*args)
+
+    functools.update_wrapper(run, compiled)
+    return run
 
 
 _NEVER = 2**31 - 1
@@ -409,7 +427,7 @@ def _refuse_unmanaged_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) 
     placeholders = gm.graph.find_nodes(op="placeholder")
     named = [(n.name, t) for n, t in zip(placeholders, example_inputs) if isinstance(t, nn.Parameter)]
     named += [(name, p) for name, p in gm.named_parameters()]
-    if not any(is_sharded(p) for _, p in named):
+    if not any(is_sharded(p) for _, p in named) and not any(is_flat(t) for t in example_inputs):
         return  # not an FSDP model: plain Inductor
     loose = [name for name, p in named if p.requires_grad and not is_sharded(p)]
     if loose:

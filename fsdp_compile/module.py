@@ -35,6 +35,8 @@ from torch._dynamo.comptime import comptime
 from . import stamp
 from ._compat import compile_region, stamping, traced_for
 from .accumulate import set_requires_gradient_sync
+from .flat import refresh_flat
+from .units import unit_of
 
 __all__ = ["OUTLINES", "FsdpModule", "mix_in", "forward_of", "outlining"]
 
@@ -46,6 +48,15 @@ class FsdpModule:
         """FSDP2's name for :func:`fsdp_compile.set_requires_gradient_sync` on this module."""
         assert isinstance(self, nn.Module)
         set_requires_gradient_sync(self, requires_gradient_sync, recurse=recurse)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``to``, ``half``, ``to_empty``, ...), then the unit's flat shard laid out
+        again from the converted parameters (NOTE [flat shards] in ``flat.py``)."""
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        unit = unit_of(self)  # type: ignore[arg-type]
+        if unit is not None:
+            refresh_flat(self, unit)  # type: ignore[arg-type]
+        return out
 
 
 _classes: dict[tuple[type, bool], type] = {}

@@ -17,6 +17,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from passes.flat import is_flat_unshard
 from passes.group import is_grouped_unshard
 from passes.predicates import UnshardArgs, is_unshard, schema_args
 
@@ -63,7 +64,7 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
     for node in joint.graph.nodes:
         if is_unshard(node):
             reshard = UnshardArgs.of(node).reshard
-        elif is_grouped_unshard(node):  # NOTE [grouped markers]: its getitems are read as views are
+        elif is_grouped_unshard(node) or is_flat_unshard(node):  # NOTE [grouped markers]: its getitems are read as views are
             reshard = bool(schema_args(node)["reshard"])
         else:
             continue

@@ -9,6 +9,7 @@ and inside :func:`no_eager_reads` it refuses to (code that inspects modules on o
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator
 
@@ -20,9 +21,18 @@ from .units import ShardedParam
 __all__ = ["EagerReadRefused", "accumulator", "no_eager_reads", "traced_property", "traced_unshard"]
 
 
-def traced_unshard(p: ShardedParam, shard: Tensor) -> Tensor:
+def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
     """The marker compiled code calls (NOTE [traced reads]); the arguments are computed once
-    (``traced_args``), not re-read per trace."""
+    (``traced_args``), not re-read per trace. It reads ``shard`` when given (a stacked block's, NOTE
+    [stacked blocks]), else the parameter's piece of its unit's flat shard where it has one (NOTE [flat
+    shards] in ``flat.py``), else its shard."""
+    flat = p.flat
+    if shard is not None:
+        pass
+    elif flat is not None:
+        shard = flat.narrow(0, p.offset, math.prod(p.piece_shape)).view(p.piece_shape)
+    else:
+        shard = p.shard
     return torch.ops.fsdp.unshard(shard, *p.traced_args, accumulator(p))  # NOTE [outlined units]
 
 
@@ -69,7 +79,7 @@ def traced_property(name: str, original: property) -> property:
         if torch.compiler.is_compiling():
             sp = self._fsdp_reads.get(name)
             if sp is not None:
-                return traced_unshard(sp, sp.shard)
+                return traced_unshard(sp)
         if getattr(_no_eager_reads, "on", False):
             raise EagerReadRefused(f"{type(self).__name__}.{name} read while eager reads are refused")
         return through_parametrize(self)  # eager, or compiled off the lean read (Unshard's marker last)

@@ -15,10 +15,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from passes.flat import flat_piece
 from passes.hoist import hoist_unshards_pass, subgraph_calls
 from passes.inline import holds, inline_subgraphs_pass
 from passes.predicates import UnshardArgs, is_reduce_grad, is_unshard
 
+from .flat import flat_member
 from .ops import ANONYMOUS_UNIT
 from .units import sharded_param
 
@@ -89,6 +91,9 @@ def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
             shard = UnshardArgs.of(node).shard
             tensor = _value(gm, values, shard)
             sp = sharded_param(tensor) if isinstance(tensor, torch.Tensor) else None
+            piece = flat_piece(shard) if sp is None else None
+            if piece is not None:  # a piece of a flat shard (NOTE [flat shards] in flat.py)
+                sp = flat_member(_value(gm, values, piece[0]), piece[1])
             assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
             _set_marker_arg(node, "unit", sp.unit.index)
             _set_marker_arg(node, "name", sp.fqn)

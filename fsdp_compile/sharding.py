@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .flat import flatten_unit
 from .gathered import gathered
 from .grads import ShardGrad, as_shard_grad
 from .groups import FsdpGroups
@@ -39,8 +40,8 @@ class Unshard(nn.Module):
         self.param = param
 
     def forward(self, shard: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():
-            return traced_unshard(self.param, shard)
+        if torch.compiler.is_compiling():  # a stack's block reads the shard its stacked body hands in
+            return traced_unshard(self.param, shard if self.param.unit.stacked else None)
         p = self.param
         full = torch.ops.fsdp.unshard(shard, *p.marker_args, accumulator(p))
         return gathered(full, p)  # NOTE [reading a sharded parameter]
@@ -158,6 +159,7 @@ def fully_shard(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     outline: bool | None = None,
+    flat: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters that no earlier ``fully_shard`` call took, as one unit.
 
@@ -168,6 +170,11 @@ def fully_shard(
     units] in ``module.py``); ``None`` (default) outlines a unit that holds no other unit and shares
     its forward with another one, such as a transformer's blocks. Use ``False`` for a block whose
     forward Dynamo cannot trace whole (a graph break inside it).
+    ``flat``: lay the unit's shards out as one flat tensor that compiled code reads (NOTE [flat shards] in
+    ``flat.py``: one input per unit, a faster compile); the parameters stay the leaves the optimizer
+    updates, and get their ``.grad`` after each backward. Use ``False`` where code differentiates with
+    respect to the parameters themselves (``torch.autograd.grad(loss, params)``), which compiled code does
+    not read then.
     ``fully_shard`` of a :class:`~fsdp_compile.stack.BlockStack` shards each of its blocks as a unit
     of its own (what ``for block in stack: fully_shard(block, ...)`` does), and returns the stack; the
     blocks of a stack are compiled as one body (NOTE [stacked blocks] in ``stack.py``).
@@ -194,6 +201,8 @@ def fully_shard(
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
+    if not isinstance(flat, bool):
+        raise TypeError(f"fully_shard: flat must be True or False, got {flat!r}.")
     if outline is not None and not isinstance(outline, bool):
         raise TypeError(f"fully_shard: outline must be True, False or None (decide), got {outline!r}.")
 
@@ -201,7 +210,7 @@ def fully_shard(
         for block in module:
             if block not in _units:
                 fully_shard(block, groups=groups, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                            outline=outline)
+                            outline=outline, flat=flat)
         return module
     _check_order(module, unit_name)
     stack = stack_of(module)
@@ -262,8 +271,8 @@ def fully_shard(
     if stack is not None:
         add_sharded_block(stack, module, unit)
     # A stamped call of this block reads its shards from here: one attribute, not a chain per shard
-    # (NOTE [stamped blocks] in stamp.py). Fixed for the unit's life, as its ShardedParams are.
-    module.__dict__["_fsdp_shards"] = tuple(sp.shard for sp in unit.params)
+    # (NOTE [stamped blocks] in stamp.py): the unit's flat shard, or its shards (NOTE [flat shards]).
+    flatten_unit(unit, module, flat)
     return _register_unit(module, unit, mp_policy)
 
 

@@ -194,11 +194,12 @@ def _readers(block: nn.Module, roles: tuple[tuple[tuple[str, ...], str, str], ..
     for role in roles:
         parts, kind, name = role
         place = None
-        if kind == "shard":
+        if kind in ("shard", "flat"):
             m = block
             for part in parts:
                 m = getattr(m, part)
-            place = at.get(id(m._fsdp_reads[name].shard))
+            sp = m._fsdp_reads[name]
+            place = at.get(id(sp.flat if kind == "flat" else sp.shard))
         if place is None:
             place = len(shards) + len(others)
             others.append(role)
@@ -215,6 +216,8 @@ def read_own(block: nn.Module, roles: tuple[tuple[tuple[str, ...], str, str], ..
             m = getattr(m, part)
         if kind == "shard":
             out.append(m._fsdp_reads[name].shard)
+        elif kind == "flat":
+            out.append(m._fsdp_reads[name].flat)
         elif kind == "buffer":
             out.append(m._buffers[name])
         else:

@@ -27,12 +27,15 @@ class Refuse(Exception):
 
 
 def own_tensors(block: nn.Module) -> dict[int, tuple[tuple[str, ...], str, str]]:
-    """Every tensor a block holds, by id: its shards, buffers and parameters, as (path, kind, name)."""
+    """Every tensor a block holds, by id: its shards (and flat shards), buffers and parameters, as (path,
+    kind, name)."""
     out: dict[int, tuple[tuple[str, ...], str, str]] = {}
     for path, m in block.named_modules():
         parts = tuple(path.split(".")) if path else ()
         for name, sp in getattr(m, "_fsdp_reads", {}).items():
             out.setdefault(id(sp.shard), (parts, "shard", name))
+            if sp.flat is not None:  # NOTE [flat shards] in flat.py: what compiled code reads
+                out.setdefault(id(sp.flat), (parts, "flat", name))
         for name, t in m._buffers.items():
             if t is not None:
                 out.setdefault(id(t), (parts, "buffer", name))

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, fx
 
 from .copies import flatten_shapes  # (and registers the fsdp::* copy ops)
+from .flat import flat_piece, tag_pieces
 from .order import reorder
 from .predicates import fsdp_meta, is_all_gather, is_all_reduce, is_reduce_scatter, tensor_bytes, wait_of
 from .splice import splice
@@ -137,23 +138,25 @@ def _reduce_bucket(world: int, group: str, sizes: Sequence[int], dtype: torch.dt
 
 
 def _scatter_bucket(world: int, group: str, sizes: Sequence[int], dtype: torch.dtype, divisor: object,
-                    out_dtype: torch.dtype, shapes: Sequence[Sequence[int]]) -> Callable[..., list[Tensor]]:
+                    out_dtype: torch.dtype, shapes: Sequence[Sequence[int]], whole: bool = False
+                    ) -> Callable[..., list[Tensor]]:
     def fn(*grads: Tensor) -> list[Tensor]:
         packed = torch.ops.fsdp.pack_rows(list(grads), world, dtype)  # NOTE [bucket copies]
         out = c10d.wait_tensor(c10d.reduce_scatter_tensor(packed, "sum", world, group))
-        return _finish(out, sizes, divisor, out_dtype, shapes)
+        return _finish(out, sizes, divisor, out_dtype, None if whole else shapes)
 
     return fn
 
 
 def _finish(out: Tensor, sizes: Sequence[int], divisor: object, out_dtype: torch.dtype,
-            shapes: Sequence[Sequence[int]]) -> list[Tensor]:
-    """One average and one cast for the whole bucket, then each member's piece in its own shape."""
+            shapes: Sequence[Sequence[int]] | None) -> list[Tensor]:
+    """One average and one cast for the whole bucket, then each member's piece in its own shape
+    (``shapes`` ``None``: the bucket whole, a flat shard's gradient, NOTE [flat shards] in ``flat.py``)."""
     if divisor is not None:
         out = out / divisor
     if out.dtype != out_dtype:
         out = torch.ops.prims.convert_element_type.default(out, out_dtype)
-    return _pieces(out, sizes, shapes)
+    return [out] if shapes is None else _pieces(out, sizes, shapes)
 
 
 def _pieces(flat: Tensor, sizes: Sequence[int], shapes: Sequence[Sequence[int]]) -> list[Tensor]:
@@ -186,19 +189,67 @@ def splice_gather_bucket(graph: fx.Graph, shards: Sequence[fx.Node], *, before: 
 def splice_reduce_bucket(graph: fx.Graph, grads: Sequence[fx.Node], *, before: fx.Node, meta: dict[str, object],
                          world: int, group: str, sizes: Sequence[int], dtype: torch.dtype, divisor: object,
                          out_dtype: torch.dtype, shapes: Sequence[Sequence[int]], all_reduce: bool = False,
-                         inserted: list[fx.Node] | None = None) -> list[fx.Node]:
+                         inserted: list[fx.Node] | None = None, whole: bool = False) -> list[fx.Node]:
     """Splice one unit's reduce-scatter bucket (``all_reduce``: its HSDP all-reduce) before ``before``:
     the full ``grads`` packed in ``dtype`` and reduced, the ``sizes``-element results averaged
-    (``divisor``), cast to ``out_dtype`` and viewed as ``shapes``; returns those."""
-    builder = _reduce_bucket if all_reduce else _scatter_bucket
-    make = builder(world, group, sizes, dtype, divisor, out_dtype, shapes)
-    key = (builder.__name__, world, group, tuple(sizes), dtype, divisor, out_dtype, tuple(tuple(s) for s in shapes))
+    (``divisor``), cast to ``out_dtype`` and viewed as ``shapes``; returns those (``whole``: the one 1-D
+    result instead, a flat shard's gradient)."""
+    assert not (whole and all_reduce), "a flat shard's gradient comes out of a reduce-scatter"
+    if whole:
+        make = _scatter_bucket(world, group, sizes, dtype, divisor, out_dtype, shapes, whole=True)
+    else:
+        make = (_reduce_bucket if all_reduce else _scatter_bucket)(world, group, sizes, dtype, divisor, out_dtype,
+                                                                   shapes)
+    name = "whole" if whole else (_reduce_bucket if all_reduce else _scatter_bucket).__name__
+    key = (name, world, group, tuple(sizes), dtype, divisor, out_dtype, tuple(tuple(s) for s in shapes))
     return splice(graph, make, grads, before=before, meta=meta, inserted=inserted, cache_key=key)
+
+
+def _flat_order(members: list[fx.Node], gather: bool) -> tuple[list[fx.Node], fx.Node | None]:
+    """NOTE [flat shards] in ``flat.py``: members that are the pieces of one flat shard, all of them, in
+    the flat's order, and the flat (the bucket then packs it whole: no view of it left in the graph); for
+    gradients, members whose results are scattered into one flat's gradient, in its order (``tiles.py``
+    then takes the bucket's output whole), and ``None``. Else ``members`` as they are, and ``None``."""
+    if gather:
+        pieces = [flat_piece(_member_source(m)) for m in members]
+    else:
+        pieces = [_destination(_member_end(wait_of(m), fsdp_meta(m).get("kind"))[0]) for m in members]
+    if any(p is None for p in pieces) or len({p[0] for p in pieces}) != 1:  # type: ignore[index]
+        return members, None
+    ordered = sorted(zip(pieces, members), key=lambda pm: pm[0][1])  # type: ignore[index]
+    base, offset = pieces[0][0], 0  # type: ignore[index]
+    for (_, start, n, *_), _ in ordered:  # type: ignore[misc]
+        if start != offset:
+            return members, None
+        offset += n
+    if offset != base.meta["val"].numel():
+        return members, None
+    return [m for _, m in ordered], (base if gather else None)
+
+
+def _destination(end: fx.Node) -> tuple[fx.Node, int, int] | None:
+    """``end -> [view] -> slice_scatter(zeros, ., 0, start, stop)``: ``(zeros, start, stop - start)``."""
+    node = end
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target is aten.slice_scatter.default and user.args[1] is node and len(user.args) >= 5:
+            z, _, dim, start, stop = user.args[:5]
+            if dim == 0 and isinstance(start, int) and isinstance(stop, int) and isinstance(z, fx.Node):
+                return z, start, stop - start
+            return None
+        if user.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            return None
+        node = user
+    return None
 
 
 def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: dict[fx.Node, fx.Node],
            rank_of: Callable[[str], int] | None = None) -> None:
     reduce = is_all_reduce(members[0])
+    # An all-gather goes where its first member was; a reduce-scatter where its last one was, which
+    # is after all its inputs (each member came right after its own input).
+    anchor = members[0] if gather else members[-1]
+    members, flat = _flat_order(members, gather) if not reduce else (members, None)
     kind = fsdp_meta(members[0]).get("kind")
     world = 1 if reduce else int(members[0].args[-2])  # type: ignore[arg-type]
     group = str(members[0].args[-1])
@@ -210,12 +261,10 @@ def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: d
     meta = dict(fsdp_meta(members[0]))
     meta.pop("param", None)
     meta["params"] = [fsdp_meta(m).get("param") for m in members]
-    # An all-gather goes where its first member was; a reduce-scatter where its last one was, which
-    # is after all its inputs (each member came right after its own input).
-    anchor = members[0] if gather else members[-1]
     new_nodes: list[fx.Node] = []
     if gather:
-        inputs = [_member_source(m) for m in members]
+        sources = [_member_source(m) for m in members]
+        inputs = [flat] if flat is not None else sources
         rank = rank_of(group) if rank_of is not None else None
         outs = splice_gather_bucket(gm.graph, inputs, before=anchor, meta=meta, inserted=new_nodes, world=world,
                                     group=group, sizes=sizes, rank=rank, dtype=dtype, shapes=shapes)
@@ -239,6 +288,8 @@ def _merge(gm: fx.GraphModule, members: list[fx.Node], *, gather: bool, hoist: d
         for n in [*reversed(chain), wait_of(member), member]:
             gm.graph.erase_node(n)
     _erase_unused(flats, kind)
+    if gather and flat is not None:  # the flat's pieces, packed apart no more
+        _erase_unused(sources, None)
 
 
 def _erase_unused(nodes: Sequence[object], kind: object) -> None:
@@ -292,5 +343,6 @@ def bucket_pass(gm: fx.GraphModule, *, rank_of: Callable[[str], int] | None = No
     for members in _groups(gm, is_all_reduce):  # HSDP: across replicas, after the reduce-scatter
         if len(members) > 1:
             _merge(gm, members, gather=False, hoist=hoist)
+    tag_pieces(gm, [n for n in gm.graph.nodes if is_all_gather(n)])  # NOTE [flat shards] in flat.py
     reorder(gm.graph, before=hoist)
     return gm

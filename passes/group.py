@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, fx
 
 from .copies import flatten_shapes, unflatten_shapes
+from .flat import expand_flat, flat_piece, group_flat, is_flat_reduce_grad, is_flat_unshard
 from .predicates import UnshardArgs, _schema_name, is_unshard
 
 __all__ = ["NAMES_SEP", "expand_markers_pass", "group_markers_pass", "is_grouped_reduce_grad", "is_grouped_unshard"]
@@ -129,9 +130,10 @@ def is_grouped_reduce_grad(node: fx.Node) -> bool:
 def _groupable(marker: fx.Node, call: fx.Node) -> bool:
     """A named marker, without an accumulator, that only this call reads, of a shard that is a graph
     input with a value (defined before any marker, so the group can stand where the call's first
-    marker stood)."""
+    marker stood), or a piece of one (NOTE [flat shards] in ``flat.py``)."""
     a = UnshardArgs.of(marker)
-    return (a.accumulate is None and NAMES_SEP not in a.name and a.shard.op == "placeholder"
+    return (a.accumulate is None and NAMES_SEP not in a.name
+            and (a.shard.op == "placeholder" or flat_piece(a.shard) is not None)
             and isinstance(_value(a.shard), Tensor) and all(u is call for u in marker.users))
 
 
@@ -151,8 +153,10 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 a = UnshardArgs.of(arg)
                 key = (*(getattr(a, k) for k in _SHARED), _value(a.shard).dtype)  # type: ignore[union-attr]
                 groups.setdefault(key, []).append(arg)
-        for markers in groups.values():
-            if len(markers) > 1:
+        for key, markers in groups.items():
+            if len(markers) > 1 and group_flat(gm, markers, order, list(key[:-1])):  # NOTE [flat shards]
+                changed = True
+            elif len(markers) > 1 and all(UnshardArgs.of(m).shard.op == "placeholder" for m in markers):
                 _group(gm, markers, order)
                 changed = True
     if changed:
@@ -185,6 +189,8 @@ def _group(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.Node, 
 def expand_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """NOTE [grouped markers]: each ``fsdp::unshard_many`` and ``fsdp::reduce_grad_many`` of an
     AOTAutograd graph split back into its per-parameter ``fsdp::unshard`` / ``fsdp::reduce_grad``."""
+    for node in [n for n in gm.graph.nodes if is_flat_unshard(n) or is_flat_reduce_grad(n)]:
+        expand_flat(gm, node)  # NOTE [flat shards]
     grouped = [n for n in gm.graph.nodes if is_grouped_unshard(n) or is_grouped_reduce_grad(n)]
     for node in grouped:
         unshard = is_grouped_unshard(node)

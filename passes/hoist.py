@@ -12,7 +12,9 @@ takes the gathered parameter instead of the shard, and each call gathers its own
              h1 = invoke_subgraph(body, x0, unshard(s0_a), unshard(s0_b))[0]; h2 = ...(h1, unshard(s1_a), ...)
 
 The markers keep their arguments (the backend names their unit afterwards, from the shard). A marker
-reading a value computed in the body stays where it is (the backend then inlines that body).
+reading a piece of a flat shard that is a body input (``narrow`` and ``view`` of it, NOTE [flat shards]
+in ``flat.py``) moves with the piece's ``narrow`` and ``view``. A marker reading a value computed in the
+body otherwise stays where it is (the backend then inlines that body).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from .flat import flat_piece
 from .predicates import is_unshard
 
 __all__ = ["hoist_unshards_pass", "subgraph_calls"]
@@ -37,9 +40,19 @@ def subgraph_calls(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     return out
 
 
-def _hoistable(marker: fx.Node, placeholders: set[fx.Node]) -> bool:
-    """``placeholder (shard) [, placeholder (accumulator)] -> unshard``: reads body inputs only."""
-    return all(i in placeholders for i in marker.all_input_nodes)
+def _hoistable(marker: fx.Node, placeholders: set[fx.Node]) -> list[fx.Node] | None:
+    """``placeholder (shard) [, placeholder (accumulator)] -> unshard``: reads body inputs only, or a
+    piece of one (``placeholder (flat) -> narrow -> view -> unshard``); the nodes that move with it
+    (the piece's, then the marker), else ``None``."""
+    moved: list[fx.Node] = []
+    for i in marker.all_input_nodes:
+        if i in placeholders:
+            continue
+        piece = flat_piece(i)
+        if piece is None or piece[0] not in placeholders or any(len(n.users) != 1 for n in piece[3]):
+            return None
+        moved.extend(piece[3])
+    return [*moved, marker]
 
 
 def _fresh(val: object) -> object:
@@ -54,25 +67,30 @@ def _hoist_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> None:
     body: fx.GraphModule = getattr(gm, name)
     graph = body.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
-    markers = [n for n in graph.nodes if is_unshard(n) and _hoistable(n, set(placeholders))]
+    inputs = set(placeholders)
+    moving = {n: m for n in graph.nodes if is_unshard(n) and (m := _hoistable(n, inputs)) is not None}
+    markers = list(moving)
     if not markers:
         return
+    moved = {n for nodes in moving.values() for n in nodes}
     # Each call: the same markers, on its own operands, before it (first, while the markers still
     # read the body's inputs).
     position = {p: i for i, p in enumerate(placeholders)}
-    unread = {p for p in placeholders if all(u in markers for u in p.users)}
+    unread = {p for p in placeholders if all(u in moved for u in p.users)}
     kept = [p for p in placeholders if p not in unread]
     for call in calls:
         operands = list(call.args[2:])
         env = {p: operands[position[p]] for p in placeholders}
         gathered = []
         for marker in markers:
-            with gm.graph.inserting_before(call):
-                outer = gm.graph.node_copy(marker, lambda n: env[n])
-            for key in ("example_value", "val"):
-                if key in marker.meta:
-                    outer.meta[key] = _fresh(marker.meta[key])
-            gathered.append(outer)
+            for node in moving[marker]:
+                with gm.graph.inserting_before(call):
+                    outer = gm.graph.node_copy(node, lambda n: env[n])
+                for key in ("example_value", "val"):
+                    if key in node.meta:
+                        outer.meta[key] = _fresh(node.meta[key])
+                env[node] = outer
+            gathered.append(env[marker])
         call.args = (call.args[0], call.args[1], *[env[p] for p in kept], *gathered)
     # The body: each marker becomes a new input after the existing ones; inputs only they read go.
     last = placeholders[-1]
@@ -81,7 +99,8 @@ def _hoist_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> None:
             p = graph.placeholder(f"{marker.name}_gathered")
         p.meta.update(marker.meta)
         marker.replace_all_uses_with(p)
-        graph.erase_node(marker)
+        for node in reversed(moving[marker]):
+            graph.erase_node(node)
         last = p
     for p in unread:
         graph.erase_node(p)

@@ -30,7 +30,8 @@ import torch
 from torch import fx
 
 from .bucket import splice_gather_bucket, splice_reduce_bucket
-from .copies import unflatten_shapes
+from .copies import _numel, unflatten_shapes
+from .flat import is_flat_reduce_grad, is_flat_unshard
 from .group import NAMES_SEP, is_grouped_reduce_grad, is_grouped_unshard
 from .predicates import is_reduce_grad, is_unshard, schema_args
 
@@ -45,13 +46,13 @@ def lower_grouped_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True,
     markers = Counter()  # (unit, gather?) -> markers, grouped or not
     grouped: list[fx.Node] = []
     for node in gm.graph.nodes:
-        if is_grouped_unshard(node) or is_grouped_reduce_grad(node):
+        if is_grouped_unshard(node) or is_grouped_reduce_grad(node) or is_flat_unshard(node) or is_flat_reduce_grad(node):
             grouped.append(node)
-            markers[(schema_args(node)["unit"], is_grouped_unshard(node))] += 1
+            markers[(schema_args(node)["unit"], is_grouped_unshard(node) or is_flat_unshard(node))] += 1
         elif is_unshard(node) or is_reduce_grad(node):
             markers[(schema_args(node)["unit"], is_unshard(node))] += 1
     for node in grouped:
-        gather = is_grouped_unshard(node)
+        gather = is_grouped_unshard(node) or is_flat_unshard(node)
         a = schema_args(node)
         if markers[(a["unit"], gather)] == 1:
             _lower(gm, node, a, gather=gather, elide=elide_single_rank, rank_of=rank_of, alone_bytes=alone_bytes)
@@ -60,13 +61,20 @@ def lower_grouped_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True,
 
 def _lower(gm: fx.GraphModule, node: fx.Node, a: dict[str, object], *, gather: bool, elide: bool,
            rank_of: Callable[[str], int] | None, alone_bytes: int | None) -> None:
-    inputs = list(a["shards" if gather else "grads"])  # type: ignore[call-overload]
+    # NOTE [flat shards] in flat.py: the flat is the bucket's one input, the reduce-scatter's output its gradient.
+    flat = is_flat_unshard(node) or is_flat_reduce_grad(node)
+    inputs = [a["flat"]] if is_flat_unshard(node) else list(a["shards" if gather else "grads"])  # type: ignore[call-overload]
     world = int(a["world_size"])  # type: ignore[call-overload]
     items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-    if (len(items) != len(node.users) or len(items) != len(inputs) or a["replicate_group"]
-            or (world == 1 and elide)):
+    members = len(str(a["names"]).split(NAMES_SEP))
+    if (a["replicate_group"] or (world == 1 and elide)
+            or (not (flat and not gather) and (len(items) != len(node.users) or len(items) != members))):
         return
-    shapes = unflatten_shapes(a["ranks"], a["dims"])  # type: ignore[arg-type]
+    if flat:
+        shard_shapes = unflatten_shapes(a["shard_ranks"], a["shard_dims"])  # type: ignore[arg-type]
+        shapes = unflatten_shapes(a["ranks"], a["dims"]) if gather else shard_shapes  # type: ignore[arg-type]
+    else:
+        shapes = unflatten_shapes(a["ranks"], a["dims"])  # type: ignore[arg-type]
     vals = [x.meta["val"] for x in inputs]
     cast_to = a["param_dtype"] if gather else a["reduce_dtype"]
     dtypes = {cast_to or v.dtype for v in vals}
@@ -74,7 +82,10 @@ def _lower(gm: fx.GraphModule, node: fx.Node, a: dict[str, object], *, gather: b
         return
     (dtype,) = dtypes
     # Each member's collective input: its shard (gather), or its full gradient padded to ``world`` shards.
-    sizes = [int(v.numel()) if gather else math.prod(shape) for v, shape in zip(vals, shapes)]
+    if flat and gather:
+        sizes = [_numel(s) for s in shard_shapes]
+    else:
+        sizes = [int(v.numel()) if gather else math.prod(shape) for v, shape in zip(vals, shapes)]
     width = torch.empty((), dtype=dtype).element_size()
     if alone_bytes is not None and any(world * n * width >= alone_bytes for n in sizes):
         return
@@ -92,7 +103,11 @@ def _lower(gm: fx.GraphModule, node: fx.Node, a: dict[str, object], *, gather: b
         ranks = world * max(int(a["replicate_size"]), 1)  # type: ignore[call-overload]
         outs = splice_reduce_bucket(gm.graph, inputs, before=node, meta=meta, world=world, group=group,
                                     sizes=sizes, dtype=dtype, divisor=ranks if ranks > 1 else None,
-                                    out_dtype=a["out_dtype"], shapes=shapes)  # type: ignore[arg-type]
+                                    out_dtype=a["out_dtype"], shapes=shapes, whole=flat)  # type: ignore[arg-type]
+        if flat:
+            node.replace_all_uses_with(outs[0])
+            gm.graph.erase_node(node)
+            return
     for i, out in enumerate(outs):
         items[i].replace_all_uses_with(out)
         gm.graph.erase_node(items[i])

@@ -356,5 +356,14 @@ class HsdpScheduleTest(FakeWorldTestCase):
 32 wait            unit 1  rep    replicate
 33 wait            unit 0  rep    replicate
 34 unpack          unit 2  rep
-35 unpack          unit 1  rep
-36 unpack          unit 0  rep""")
+35 compute           (1 nodes)
+36 unpack          unit 2  rep
+37 compute           (3 nodes)
+38 unpack          unit 1  rep
+39 compute           (1 nodes)
+40 unpack          unit 1  rep
+41 compute           (3 nodes)
+42 unpack          unit 0  rep
+43 compute           (1 nodes)
+44 unpack          unit 0  rep
+45 compute           (3 nodes)""")

@@ -103,21 +103,27 @@ class CapScheduleTest(ScheduleCase):
 22 compute         le where mm  (4 nodes)
 23 wait            unit 2  rs     reduce_scatter
 24 unpack          unit 2  rs
-25 pack            unit 0  rs
-26 reduce_scatter  unit 0  rs     reduce_scatter  256 B
-27 compute         sum  (2 nodes)
-28 wait            unit 2  rs     reduce_scatter
-29 unpack          unit 2  rs
-30 pack            unit 0  rs
-31 reduce_scatter  unit 0  rs     reduce_scatter  32 B
-32 wait            unit 1  rs     reduce_scatter
-33 wait            unit 1  rs     reduce_scatter
-34 wait            unit 0  rs     reduce_scatter
-35 wait            unit 0  rs     reduce_scatter
-36 unpack          unit 1  rs
-37 unpack          unit 1  rs
-38 unpack          unit 0  rs
-39 unpack          unit 0  rs""")
+25 compute           (2 nodes)
+26 pack            unit 0  rs
+27 reduce_scatter  unit 0  rs     reduce_scatter  256 B
+28 compute         sum  (2 nodes)
+29 wait            unit 2  rs     reduce_scatter
+30 unpack          unit 2  rs
+31 compute           (2 nodes)
+32 pack            unit 0  rs
+33 reduce_scatter  unit 0  rs     reduce_scatter  32 B
+34 wait            unit 1  rs     reduce_scatter
+35 wait            unit 1  rs     reduce_scatter
+36 wait            unit 0  rs     reduce_scatter
+37 wait            unit 0  rs     reduce_scatter
+38 unpack          unit 1  rs
+39 compute           (2 nodes)
+40 unpack          unit 1  rs
+41 compute           (2 nodes)
+42 unpack          unit 0  rs
+43 compute           (2 nodes)
+44 unpack          unit 0  rs
+45 compute           (2 nodes)""")
 
     def test_small_prefetch_cap(self) -> None:
         fwd, bwd = self.schedule(prefetch=2, prefetch_bytes=600)

@@ -1,0 +1,251 @@
+"""One flat shard per unit (NOTE [flat shards] in fsdp_compile/flat.py): layout, reads, gradients handed out,
+and what keeps parameters and flat in step.
+
+The numerics here run in this process on a gloo group of one rank with the collectives kept
+(``elide_single_rank=False``), against the same model unsharded; several ranks: tests/test_numerics.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from fsdp_compile import FsdpGroups, fully_shard, make_backend
+from fsdp_compile.backend import observe_graphs
+from fsdp_compile.models import ModelConfig, Transformer
+from fsdp_compile.units import unit_of
+from passes.flat import is_flat_reduce_grad, is_flat_unshard
+from passes.tiles import tiles_pass
+
+from .graph_utils import fake_process_group, shard_blocks_then_root
+
+CFG = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=16, max_seq_len=8)
+
+
+@contextlib.contextmanager
+def gloo_world_of_one() -> Iterator[None]:
+    """A real gloo default group of one rank in this process."""
+    assert not dist.is_initialized()
+    torch._dynamo.reset()
+    with tempfile.NamedTemporaryFile() as f:
+        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _pairs(model: torch.nn.Module, ref: torch.nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, sharded param, reference param) for every parameter (world 1: the shard is the whole)."""
+    ref_params = dict(ref.named_parameters())
+    out = []
+    for name, p in model.named_parameters():
+        ref_name = name.replace("parametrizations.", "").replace(".original", "")
+        out.append((ref_name, p, ref_params[ref_name]))
+    return out
+
+
+def _sharded(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(seed)
+    ref = Transformer(CFG)
+    model = shard_blocks_then_root(copy.deepcopy(ref), FsdpGroups.create())
+    return model, ref
+
+
+def test_a_unit_s_parameters_are_views_of_its_flat_shard() -> None:
+    with fake_process_group(2):
+        model, _ = _sharded()
+        for module in [*model.layers, model]:
+            unit = unit_of(module)
+            assert unit is not None and unit.flat is not None
+            flat = unit.flat
+            assert flat.requires_grad and flat.dim() == 1
+            assert sum(sp.shard.numel() for sp in unit.params) == flat.numel()
+            for sp in unit.params:
+                assert sp.shard.data_ptr() == flat.data_ptr() + sp.offset * flat.element_size()
+                assert sp.shard.is_leaf and isinstance(sp.shard, torch.nn.Parameter)
+            assert module.__dict__["_fsdp_shards"] == (flat,)
+
+
+def test_dynamo_takes_one_input_per_unit_and_backward_returns_each_flat_gradient_whole() -> None:
+    with fake_process_group(2):
+        model, _ = _sharded()
+        inputs: list[int] = []
+        ours = make_backend(inductor=False)
+
+        def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+            inputs.append(sum(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs))
+            return ours(gm, example_inputs)
+
+        backend.__dict__.update(ours.__dict__)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        with observe_graphs() as seen:
+            compiled(torch.randint(0, 32, (1, 8))).sum().backward()
+    assert inputs == [3]  # two blocks and the root: one flat each
+    graphs = dict(seen)
+    for gm in graphs.values():
+        assert not any(is_flat_unshard(n) or is_flat_reduce_grad(n) for n in gm.graph.nodes)  # all lowered
+    bw = graphs["backward"]
+    # each flat's gradient is its reduce-scatter bucket's output, averaged: nothing scattered into zeros
+    assert not bw.graph.find_nodes(op="call_function", target=torch.ops.aten.slice_scatter.default)
+    outputs = bw.graph.find_nodes(op="output")[0].args[0]
+    grads = [o for o in outputs if isinstance(o, fx.Node)]
+    assert [str(g.target) for g in grads] == ["aten.div.Tensor"] * 3
+
+
+def _step(compiled: torch.nn.Module, tokens: torch.Tensor) -> None:
+    compiled(tokens).square().mean().backward()
+
+
+def test_gradients_are_handed_out_accumulated_and_cleared_like_autograd_s() -> None:
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, ref = _sharded()
+        compiled = torch.compile(model, backend=make_backend(elide_single_rank=False, inductor=False))
+        for _ in range(2):  # two microbatches: the second adds to the first
+            _step(compiled, tokens)
+            _step(ref, tokens)
+        for name, p, r in _pairs(model, ref):
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+        assert all(unit_of(m).flat.grad is None for m in [*model.layers, model])  # type: ignore[union-attr]
+        model.zero_grad()
+        ref.zero_grad()
+        _step(compiled, tokens)
+        _step(ref, tokens)
+        for name, p, r in _pairs(model, ref):
+            torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_parameter_frozen_after_sharding_gets_no_gradient() -> None:
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, ref = _sharded()
+        for m in (model, ref):
+            m.layers[0].attn.wq.parametrizations.weight.original.requires_grad_(False) if m is model else \
+                m.layers[0].attn.wq.weight.requires_grad_(False)
+        compiled = torch.compile(model, backend=make_backend(elide_single_rank=False, inductor=False))
+        _step(compiled, tokens)
+        _step(ref, tokens)
+        for name, p, r in _pairs(model, ref):
+            if name == "layers.0.attn.wq.weight":
+                assert p.grad is None and r.grad is None
+            else:
+                torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_unit_with_a_parameter_frozen_before_sharding_keeps_its_shards_apart() -> None:
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = Transformer(CFG)
+        model.layers[1].ffn_norm.weight.requires_grad_(False)
+        shard_blocks_then_root(model, FsdpGroups.create())
+        assert unit_of(model.layers[0]).flat is not None  # type: ignore[union-attr]
+        assert unit_of(model.layers[1]).flat is None  # type: ignore[union-attr]
+        assert all(sp.flat is None for sp in unit_of(model.layers[1]).params)  # type: ignore[union-attr]
+
+
+def test_replaced_parameter_data_is_read_by_the_next_compiled_step() -> None:
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, ref = _sharded()
+        compiled = torch.compile(model, backend=make_backend(elide_single_rank=False, inductor=False))
+        _step(compiled, tokens)
+        wq = model.layers[0].attn.wq.parametrizations.weight.original
+        new = torch.randn_like(wq)
+        wq.data = new.clone()  # not in place: the flat no longer holds what the parameter holds
+        ref.layers[0].attn.wq.weight.data = new.clone()
+        out, expected = compiled(tokens), ref(tokens)
+        torch.testing.assert_close(out, expected)
+        flat = unit_of(model.layers[0]).flat  # type: ignore[union-attr]
+        sp = next(sp for sp in unit_of(model.layers[0]).params if sp.shard is wq)  # type: ignore[union-attr]
+        assert wq.data_ptr() == flat.data_ptr() + sp.offset * flat.element_size()  # a view of the flat again
+
+
+def test_replaced_parameter_data_of_another_dtype_raises_naming_the_fix() -> None:
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, _ = _sharded()
+        compiled = torch.compile(model, backend=make_backend(elide_single_rank=False, inductor=False))
+        _step(compiled, tokens)
+        wq = model.layers[0].attn.wq.parametrizations.weight.original
+        wq.data = wq.data.double()
+        with pytest.raises(ValueError, match=r"layers\.0\.attn\.wq\.weight.*model\.to\("):
+            compiled(tokens)
+
+
+def test_module_to_lays_the_flat_shards_out_again() -> None:
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, ref = _sharded()
+        model.to(torch.float64)
+        ref.to(torch.float64)
+        for module in [*model.layers, model]:
+            unit = unit_of(module)
+            assert unit.flat is not None and unit.flat.dtype == torch.float64  # type: ignore[union-attr]
+            assert module.__dict__["_fsdp_shards"] == (unit.flat,)  # type: ignore[union-attr]
+            for sp in unit.params:  # type: ignore[union-attr]
+                assert sp.shard.data_ptr() == unit.flat.data_ptr() + sp.offset * 8  # type: ignore[union-attr]
+        compiled = torch.compile(model, backend=make_backend(elide_single_rank=False, inductor=False))
+        _step(compiled, tokens)
+        _step(ref, tokens)
+        for name, p, r in _pairs(model, ref):
+            torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _sum_of_pieces(whole_source: bool) -> fx.GraphModule:
+    """``full([6], 0)`` with two pieces scattered in and summed (pieces of one tensor, or two tensors)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if whole_source:
+            a, b = out.as_strided([2, 2], [2, 1], 0), out.as_strided([2], [1], 4)
+        z = torch.zeros(6)
+        return (torch.slice_scatter(z, b.reshape(-1), 0, 4, 6) + torch.slice_scatter(z, a.reshape(-1), 0, 0, 4)) * 2
+
+    return make_fx(f, tracing_mode="fake")(torch.randn(6), torch.randn(2, 2), torch.randn(2))
+
+
+@pytest.mark.parametrize("whole_source", [False, True])
+def test_a_sum_of_pieces_tiling_a_tensor_becomes_their_cat_or_their_source(whole_source: bool) -> None:
+    gm = _sum_of_pieces(whole_source)
+    args = (torch.randn(6), torch.randn(2, 2), torch.randn(2))
+    expected = gm(*args)
+    gm = tiles_pass(gm)
+    gm.recompile()
+    torch.testing.assert_close(gm(*args), expected)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "aten.slice_scatter.default" not in targets and "aten.add.Tensor" not in targets
+    assert ("aten.cat.default" in targets) is not whole_source
+
+
+def test_hooks_registered_on_a_parameter_run_when_its_gradient_is_handed_out() -> None:
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, ref = _sharded()
+        seen: list[str] = []
+        wq = model.layers[0].attn.wq.parametrizations.weight.original
+        wq.register_hook(lambda g: g * 2)  # changes the gradient, as autograd lets it
+        wq.register_post_accumulate_grad_hook(lambda p: seen.append("after"))
+        ref.layers[0].attn.wq.weight.register_hook(lambda g: g * 2)
+        compiled = torch.compile(model, backend=make_backend(elide_single_rank=False, inductor=False))
+        _step(compiled, tokens)
+        _step(ref, tokens)
+        assert seen == ["after"]
+        torch.testing.assert_close(wq.grad, ref.layers[0].attn.wq.weight.grad)
+
+
+def test_flat_false_keeps_each_shard_a_graph_input_of_its_own() -> None:
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = shard_blocks_then_root(Transformer(CFG), FsdpGroups.create(), flat=False)
+        assert all(unit_of(m).flat is None for m in [*model.layers, model])  # type: ignore[union-attr]
+        with pytest.raises(TypeError, match="flat must be True or False"):
+            fully_shard(torch.nn.Linear(2, 2), groups=FsdpGroups.create(), flat=1)  # type: ignore[arg-type]

@@ -24,6 +24,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # a probe, not a mode: each block's weights as one flat parameter, i.e. one shard per unit
     # (benchmarks/flat_probe.py: what the flat-shard design would buy at compile time)
     "fsdp-compile-flatprobe": ("flatprobe", {}),
+    # each unit's shards apart, not one flat shard: fully_shard(flat=False), as before 2026-12-03
+    "fsdp-compile-apart": ("apart", {}),
     "fsdp2-compile": ("fsdp2", {}),
     # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/peers.py; CUDA only)
     "simplefsdp": ("simplefsdp", {}),
@@ -100,9 +102,10 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
 
         flatten_blocks(model)
     groups = FsdpGroups.create()
+    flat = how != "apart"  # NOTE [flat shards]
     for block in [stack_blocks(model)] if how == "stacked" else model.layers:
-        fully_shard(block, groups=groups)
-    fully_shard(model, groups=groups)
+        fully_shard(block, groups=groups, flat=flat)
+    fully_shard(model, groups=groups, flat=flat)
     kw = dict(backend_kw)
     if device == "cuda" and world == 1:
         kw["elide_single_rank"] = False  # world 1 compiles the collectives of world N

@@ -31,15 +31,18 @@ VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-whole", "fsdp-compile
                              "fsdp2-eager-one-group", "fsdp2-compile", *PEERS, "compile", "fsdp-compile-keep",
                              "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed",
                              "fsdp-compile-stacked", "fsdp-compile-keep-stacked", "fsdp-compile-flatprobe",
-                             "fsdp-compile-keep-flatprobe")
+                             "fsdp-compile-keep-flatprobe", "fsdp-compile-apart", "fsdp-compile-keep-apart")
 # a probe, not a mode: each block's weights one flat parameter, one shard per unit (benchmarks/flat_probe.py)
 _FLAT = ("fsdp-compile-flatprobe", "fsdp-compile-keep-flatprobe")
 _STACKED = ("fsdp-compile-stacked", "fsdp-compile-keep-stacked")  # one BlockStack (NOTE [stacked blocks])
+# each unit's shards apart, not one flat shard (fully_shard(flat=False), as before 2026-12-03: NOTE [flat shards])
+_APART = ("fsdp-compile-apart", "fsdp-compile-keep-apart")
 _KEEP = ("fsdp-compile-keep", "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed",
-         "fsdp-compile-keep-packed", "fsdp-compile-keep-stacked", "fsdp-compile-keep-flatprobe")  # world 1 only
+         "fsdp-compile-keep-packed", "fsdp-compile-keep-stacked", "fsdp-compile-keep-flatprobe",
+         "fsdp-compile-keep-apart")  # world 1 only
 COMPARISONS: tuple[str, ...] = ("fsdp-compile-whole", "fsdp-compile-bucketed", "fsdp-compile-packed",
                                 "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed",
-                                *_STACKED, *_FLAT)
+                                *_STACKED, *_FLAT, *_APART)
 """Variants that only take one of fsdp-compile's choices back (see ``_BACKEND_KW``): run when named."""
 DEFAULT_VARIANTS: tuple[str, ...] = tuple(v for v in VARIANTS if v not in COMPARISONS)
 OPTIMIZERS: tuple[str, ...] = ("fused", "foreach")
@@ -47,6 +50,7 @@ _DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-whole": "reduce_sc
               "fsdp-compile-bucketed": "reduce_scatter",
               "fsdp-compile-packed": "reduce_scatter", "fsdp-compile-ag": "all_gather", "fsdp-compile-delayed": "none",
               "fsdp-compile-stacked": "reduce_scatter", "fsdp-compile-flatprobe": "reduce_scatter",
+              "fsdp-compile-apart": "reduce_scatter",
               **{k: "reduce_scatter" for k in _KEEP}}
 _BUCKETED: dict[str, Any] = {"bucket_alone_bytes": None}  # every param bucketed, gathered in place
 _PACKED: dict[str, Any] = {"bucket_alone_bytes": None, "inplace_gather": False}  # as before 2026-12-01
@@ -57,6 +61,7 @@ _BACKEND_KW: dict[str, dict[str, Any]] = {"fsdp-compile-delayed": {"schedule": "
                                           "fsdp-compile-keep": {"elide_single_rank": False},
                                           "fsdp-compile-keep-stacked": {"elide_single_rank": False},
                                           "fsdp-compile-keep-flatprobe": {"elide_single_rank": False},
+                                          "fsdp-compile-keep-apart": {"elide_single_rank": False},
                                           "fsdp-compile-keep-bucketed": {"elide_single_rank": False, **_BUCKETED},
                                           "fsdp-compile-keep-packed": {"elide_single_rank": False, **_PACKED}}
 
@@ -145,9 +150,10 @@ def build_variant(name: str, spec: ModelSpec, shared: SharedGroups, seed: int, o
         groups = shared.groups(_DEDICATED[name])
         if name in _FLAT:
             flatten_blocks(model)
+        flat = name not in _APART
         for block in [stack_blocks(model)] if name in _STACKED else blocks_of(model):
-            fully_shard(block, groups=groups)
-        fully_shard(model, groups=groups)
+            fully_shard(block, groups=groups, flat=flat)
+        fully_shard(model, groups=groups, flat=flat)
         forward = torch.compile(model, backend=make_backend(**_BACKEND_KW.get(name, {})))
     elif name.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard

@@ -129,6 +129,8 @@ def release() -> None:
 def _beat(beat: _Heartbeat, conn: dist.Store) -> None:
     n = 0
     while not beat.stop.is_set():
+        if beat.world() is None or not dist.is_initialized():  # its process group is destroyed: so is its store
+            return
         try:
             conn.set(f"{_NS}alive/{beat.rank}", str(n))
         except RuntimeError as e:  # the store's host is gone

@@ -29,16 +29,22 @@ from .graph_utils import fake_process_group, shard_blocks_then_root
 CFG = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=16, max_seq_len=8)
 
 
+_GROUPS: list[FsdpGroups] = []  # made inside gloo_world_of_one, destroyed with it (their heartbeat too)
+
+
 @contextlib.contextmanager
 def gloo_world_of_one() -> Iterator[None]:
     """A real gloo default group of one rank in this process."""
     assert not dist.is_initialized()
     torch._dynamo.reset()
+    _GROUPS.clear()  # (groups of a fake world, gone with it)
     with tempfile.NamedTemporaryFile() as f:
         dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
         try:
             yield
         finally:
+            while _GROUPS:
+                _GROUPS.pop().destroy()
             dist.destroy_process_group()
 
 
@@ -55,7 +61,9 @@ def _pairs(model: torch.nn.Module, ref: torch.nn.Module) -> list[tuple[str, torc
 def _sharded(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(seed)
     ref = Transformer(CFG)
-    model = shard_blocks_then_root(copy.deepcopy(ref), FsdpGroups.create())
+    groups = FsdpGroups.create()
+    _GROUPS.append(groups)
+    model = shard_blocks_then_root(copy.deepcopy(ref), groups)
     return model, ref
 
 

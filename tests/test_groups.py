@@ -44,3 +44,26 @@ def test_conventions_pick_the_dedicated_group(fake_world: int) -> None:
     assert one.all_gather is one.reduce_scatter is dist.group.WORLD
     for g in (rs, ag, one):
         g.destroy()
+
+
+def test_the_heartbeat_stops_with_its_process_group() -> None:
+    """A process group destroyed without FsdpGroups.destroy(): the heartbeat ends with it instead of
+    writing on to a store that is gone (a FileStore whose file is deleted spun holding the GIL)."""
+    import tempfile
+    import threading
+    import time
+
+    from fsdp_compile.peers import HEARTBEAT_S
+
+    def beating() -> bool:
+        return any(t.name == "fsdp_compile-heartbeat" and t.is_alive() for t in threading.enumerate())
+
+    with tempfile.NamedTemporaryFile() as f:
+        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
+        FsdpGroups.create()
+        assert beating()
+        dist.destroy_process_group()
+    deadline = time.monotonic() + 3 * HEARTBEAT_S + 1
+    while beating() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not beating()

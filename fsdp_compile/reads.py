@@ -26,13 +26,9 @@ def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
     (``traced_args``), not re-read per trace. It reads ``shard`` when given (a stacked block's, NOTE
     [stacked blocks]), else the parameter's piece of its unit's flat shard where it has one (NOTE [flat
     shards] in ``flat.py``), else its shard."""
-    flat = p.flat
-    if shard is not None:
-        pass
-    elif flat is not None:
-        shard = flat.narrow(0, p.offset, math.prod(p.piece_shape)).view(p.piece_shape)
-    else:
-        shard = p.shard
+    if shard is None:
+        flat = p.flat
+        shard = p.shard if flat is None else flat.narrow(0, p.offset, math.prod(p.piece_shape)).view(p.piece_shape)
     return torch.ops.fsdp.unshard(shard, *p.traced_args, accumulator(p))  # NOTE [outlined units]
 
 

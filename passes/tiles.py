@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, fx
 
+from .copies import _numel
 from .splice import splice
 
 __all__ = ["tiles_pass"]
@@ -79,19 +80,12 @@ def _whole(sources: Sequence[fx.Node], total: int) -> fx.Node | None:
             base = of
         if of is not base or start != offset or list(stride) != _contiguous(shape):  # type: ignore[arg-type]
             return None
-        offset += _prod(shape)  # type: ignore[arg-type]
+        offset += _numel(shape)  # type: ignore[arg-type]
     val = _val(base)
     if (not isinstance(base, fx.Node) or not isinstance(val, Tensor) or val.dim() != 1 or val.numel() != total
             or offset != total or val.storage_offset() != 0 or not val.is_contiguous()):
         return None
     return base
-
-
-def _prod(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _contiguous(shape: Sequence[int]) -> list[int]:

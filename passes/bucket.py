@@ -24,7 +24,8 @@ NOTE [in-place all-gather]: with a separate packed input, a bucket's bytes exist
 collective runs (the packed copy beside the output), and at world size 1 NCCL copies the one into the
 other. Packing into the output's own slice needs this rank's index in the group, which the pass gets
 from ``rank_of(group)``; Inductor fuses ``copy_(cat(...))`` into one kernel that writes the slice.
-Without ``rank_of`` the bucket is packed out of place (``cat -> all_gather_into_tensor``).
+Without ``rank_of`` the bucket is packed out of place (``cat -> all_gather_into_tensor``). A unit's
+flat shard is neither packed nor gathered in place: it is gathered as it is (NOTE [a flat gathers as it is]).
 
 NOTE [large params alone]: a parameter is stored as a dim-0 shard, so its own all-gather's output *is*
 the full parameter (rank-major rows) and its own reduce-scatter's output is its shard's gradient: alone,
@@ -113,7 +114,10 @@ def _divisor(chain: list[fx.Node]) -> object:
 def _gather_bucket(world: int, group: str, sizes: Sequence[int], rank: int | None, dtype: torch.dtype,
                    shapes: Sequence[Sequence[int]]) -> Callable[..., list[Tensor]]:
     def fn(*shards: Tensor) -> list[Tensor]:
-        if rank is None:
+        if _gathers_as_is(shards, dtype, sum(sizes)):  # NOTE [a flat gathers as it is]
+            flat = shards[0] if shards[0].dim() == 1 else shards[0].reshape(-1)
+            out = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, world, group))
+        elif rank is None:
             packed = torch.ops.fsdp.pack_shards(list(shards), 1, 0, dtype)
             out = c10d.wait_tensor(c10d.all_gather_into_tensor(packed, world, group))
         else:  # NOTE [in-place all-gather]
@@ -126,6 +130,17 @@ def _gather_bucket(world: int, group: str, sizes: Sequence[int], rank: int | Non
         return list(torch.ops.fsdp.copy_out_rows(out, world, list(sizes), *flatten_shapes(shapes)))
 
     return fn
+
+
+def _gathers_as_is(shards: Sequence[Tensor], dtype: torch.dtype, n: int) -> bool:
+    """NOTE [a flat gathers as it is]: a bucket whose one member is a contiguous shard already in the
+    gather's dtype and of the bucket's size (a unit's flat shard, NOTE [flat shards] in ``flat.py``) is
+    gathered straight from that shard, out of place. The in-place gather exists to keep a packed copy
+    from living beside the output (NOTE [in-place all-gather]); here the input is the persistent shard,
+    which lives anyway, so packing would only add a copy kernel on the compute stream (and two nodes per
+    unit and graph for Inductor to lower: the pack and its slice)."""
+    return (len(shards) == 1 and shards[0].dtype == dtype and shards[0].is_contiguous()
+            and shards[0].numel() == n)
 
 
 def _reduce_bucket(world: int, group: str, sizes: Sequence[int], dtype: torch.dtype, divisor: object,

@@ -91,14 +91,17 @@ def test_agreeing_ranks_run() -> None:
     run_ranks(same_graph_everywhere, 2, timeout=120)
 
 
-def test_fingerprint_lists_collectives_in_order(groups: FsdpGroups) -> None:
-    graphs = capture(shard_blocks_then_root(ThreeUnits(), groups), torch.randn(4, 8))
+@pytest.mark.parametrize("flat", [True, False])
+def test_fingerprint_lists_collectives_in_order(groups: FsdpGroups, flat: bool) -> None:
+    graphs = capture(shard_blocks_then_root(ThreeUnits(), groups, flat=flat), torch.randn(4, 8))
     fwd = fingerprint(graphs["forward"])
+    # a flat shard is gathered as it is (NOTE [a flat gathers as it is] in passes/bucket.py), a bucket
+    # of shards apart in place (NOTE [in-place all-gather])
+    gather = "all_gather_into_tensor" if flat else "all_gather_into_tensor_out"
     assert fwd[:3] == [
-        # a bucket's all-gather is in place (NOTE [in-place all-gather] in passes/bucket.py)
-        "all_gather_into_tensor_out(unit 0, group g0, float32[36])",
-        "all_gather_into_tensor_out(unit 1, group g0, float32[36])",
-        "wait(all_gather_into_tensor_out, unit 0)",
+        f"{gather}(unit 0, group g0, float32[36])",
+        f"{gather}(unit 1, group g0, float32[36])",
+        f"wait({gather}, unit 0)",
     ]
     assert sum(e.startswith("reduce_scatter") for e in fingerprint(graphs["backward"])) == 3
 

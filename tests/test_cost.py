@@ -350,22 +350,19 @@ class TableTest(TestCase):
         # kernel takes the least a kernel takes (3 us), 1.2x that beside a collective: unit 0's wait is
         # exposed in full (15 us collective latency), unit 1's is hidden behind unit 0's compute.
         self.assertExpectedInline(table(fwd, simulate(fwd, H200), labels), """\
-order  node                          unit  collective  group  stream      bytes  est. start (us)  est. end (us)
-    0  pack (2 nodes)                0     all_gather  ag     compute                      0.000          3.000
-    1  all_gather_into_tensor_out    0     all_gather  ag     all_gather    288            3.000         18.000
-    2  pack (2 nodes)                1     all_gather  ag     compute                      3.000          6.600
-    3  all_gather_into_tensor_out_1  1     all_gather  ag     all_gather    288           18.000         33.001
-    4  wait_tensor_6                 0     all_gather  ag     compute                      6.600         18.000
-    5  unpack (3 nodes)              0     all_gather  ag     compute                     18.000         21.600
-    6  addmm relu (3 nodes)                                   compute                     21.600         28.800
-    7  pack (2 nodes)                2     all_gather  ag     compute                     28.800         32.400
-    8  all_gather_into_tensor_out_2  2     all_gather  ag     all_gather    288           33.001         48.001
-    9  wait_tensor_7                 1     all_gather  ag     compute                     32.400         33.001
-   10  unpack (3 nodes)              1     all_gather  ag     compute                     33.001         36.601
-   11  addmm relu (3 nodes)                                   compute                     36.601         43.801
-   12  wait_tensor_8                 2     all_gather  ag     compute                     43.801         48.001
-   13  unpack (3 nodes)              2     all_gather  ag     compute                     48.001         51.001
-   14  addmm relu le (4 nodes)                                compute                     51.001         60.001""")
+order  node                      unit  collective  group  stream      bytes  est. start (us)  est. end (us)
+    0  all_gather_into_tensor_6  0     all_gather  ag     all_gather    288            0.000         15.000
+    1  all_gather_into_tensor_7  1     all_gather  ag     all_gather    288           15.000         30.001
+    2  wait_tensor_6             0     all_gather  ag     compute                      0.000         15.000
+    3  unpack (3 nodes)          0     all_gather  ag     compute                     15.000         18.600
+    4  addmm relu (3 nodes)                               compute                     18.600         25.800
+    5  all_gather_into_tensor_8  2     all_gather  ag     all_gather    288           30.001         45.001
+    6  wait_tensor_7             1     all_gather  ag     compute                     25.800         30.001
+    7  unpack (3 nodes)          1     all_gather  ag     compute                     30.001         33.601
+    8  addmm relu (3 nodes)                               compute                     33.601         40.801
+    9  wait_tensor_8             2     all_gather  ag     compute                     40.801         45.001
+   10  unpack (3 nodes)          2     all_gather  ag     compute                     45.001         48.001
+   11  addmm relu le (4 nodes)                            compute                     48.001         57.001""")
 
 
 # --- load_hardware ------------------------------------------------------------------------------

@@ -271,6 +271,8 @@ def _checked_and_moved(tx: Any, template: Any, source: Any, block: nn.Module) ->
                 compile(source_name(other), "<fsdp_compile.stamp>", "eval"), scope, block)
             if b is _MISSING or b is not b_other:
                 raise Refuse(f"{source_name(here)} is not {source_name(there)}, as in the template")
+            if _set_by_sharding(guard.originating_source):
+                continue  # (checked, not guarded: NOTE [guards fixed by sharding])
             moved.append(_like(guard, Guard(here, functools.partial(guard.create_fn.func, source_b=there))))
             continue
         if kind == "HASATTR":
@@ -279,8 +281,33 @@ def _checked_and_moved(tx: Any, template: Any, source: Any, block: nn.Module) ->
                 raise Refuse(f"{source_name(here)} differs from the template's")
         elif not _agree(kind, guard, a, b):
             raise Refuse(f"{kind} on {source_name(here)} differs from the template's ({shown(b)}, not {shown(a)})")
+        if _set_by_sharding(guard.originating_source):
+            continue  # (checked, not guarded: NOTE [guards fixed by sharding])
         moved.append(_like(guard, Guard(here, guard.create_fn)))
     return moved
+
+
+# What ``fully_shard`` writes on a ShardedParam for a unit's whole life (``sharding.py``, ``flat.py``).
+_SET_BY_SHARDING = frozenset({"flat", "shard", "offset", "piece_shape", "traced_args"})
+
+
+def _set_by_sharding(source: Any) -> bool:
+    """NOTE [guards fixed by sharding]: a template's guard on where a read finds its piece (a
+    ShardedParam's flat or shard, the piece's offset and shape, the marker's constant arguments: the
+    source ``..._fsdp_reads[name].<field>``) is checked on a later block, but not moved onto it. Those
+    fields are written by ``fully_shard`` and by laying a unit's flat out again, for the unit's
+    parameters all at once, and the same for every alike block (outlined units' marker arguments leave
+    out the unit and the name); a change to them changes the template's too, whose guards stay, or the
+    flat tensor the stamped call reads, which its input guards. What stays moved on each block is what
+    a user can change on one block alone: the ``_fsdp_reads`` entry itself (a parametrization of one's
+    own takes it out), ``accumulating``, the property, hooks, types, attributes. On a Llama block this
+    is 54 of the 243 guards, 6 per parameter; Dynamo builds each moved guard for every block."""
+    member = getattr(source, "member", None)
+    if member not in _SET_BY_SHARDING:
+        return False
+    item = getattr(source, "base", None)
+    reads = getattr(item, "base", None)
+    return getattr(reads, "member", None) == "_fsdp_reads"
 
 
 def shown(value: Any) -> str:

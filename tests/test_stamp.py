@@ -7,6 +7,7 @@ own, and a change to one block after compiling recompiles, with eager numbers ea
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -15,10 +16,11 @@ import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
 
-from fsdp_compile import FsdpGroups, _compat, make_backend
+from fsdp_compile import FsdpGroups, _compat, make_backend, stamp
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer
 from fsdp_compile.module import OUTLINES
+from fsdp_compile.stamp_guards import source_name
 from passes.stamp import stamp_out_pass
 
 from .graph_utils import SMALL, fake_process_group, shard_blocks_then_root
@@ -217,6 +219,46 @@ def test_a_stamped_block_whose_weight_gains_a_parametrization_is_traced_again() 
             warnings.simplefilter("ignore")
             torch.testing.assert_close(compiled(x), reference(x))
         assert graphs == [(1, 2), (2, 1)]  # block 0 traced, block 1 traced apart, block 2 stamped
+
+
+def test_a_stamped_blocks_guards_leave_out_what_sharding_fixed() -> None:
+    """NOTE [guards fixed by sharding]: where a read finds its piece (flat, offset, shape, the marker's
+    arguments) is checked on each stamped block but not guarded there; what a user can change on one
+    block (its reads' entries, ``accumulating``, hooks, attributes) is."""
+    moved: list[str] = []
+    real = stamp.check_and_move
+
+    def spy(*args: object) -> list:
+        guards = real(*args)
+        moved.extend(source_name(g.originating_source) for g in guards)
+        return guards
+
+    x = torch.randn(4, 8)
+    with fake_process_group(1), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stamp, "check_and_move", spy)
+        model, reference, compiled, graphs = _twins(lambda: Stack(n=3))
+        _check(model, reference, compiled, x)
+    assert graphs == [(1, 2)] and moved
+    fixed = [g for g in moved if re.search(r"_fsdp_reads\['\w+'\]\.(flat|shard|offset|piece_shape|traced_args)$", g)]
+    assert fixed == []
+    assert any(g.endswith("_fsdp_reads['weight'].accumulating") for g in moved)
+    assert any(g.endswith("_fsdp_reads['weight']") for g in moved)
+    assert any(g.endswith("._forward_hooks") for g in moved)
+
+
+def test_one_block_accumulating_after_compiling_is_traced_apart() -> None:
+    """A unit's ``accumulating`` (NOTE [no-sync]) stays guarded on every stamped block: one block
+    switched to accumulate after compiling compiles again, traced apart, and gives the same numbers."""
+    x = torch.randn(4, 8)
+    with fake_process_group(1):
+        model, reference, compiled, graphs = _twins(lambda: Stack(n=3))
+        _check(model, reference, compiled, x)
+        assert graphs == [(1, 2)]
+        model.layers[1].set_requires_gradient_sync(False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(compiled(x), reference(x))
+        assert graphs == [(1, 2), (2, 1)]  # block 0 traced, block 1 (accumulating) traced apart, 2 stamped
 
 
 class ScaledBlock(Block):

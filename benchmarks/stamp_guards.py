@@ -59,7 +59,7 @@ def _trace(model: Any) -> None:
 
 def guard_counts() -> dict[str, Any]:
     """The template block's guards by kind, and how many of them each later block gets."""
-    from fsdp_compile import stamp, stamp_guards
+    from fsdp_compile import stamp
 
     template: list[Any] = []
     moved: list[int] = []
@@ -83,8 +83,7 @@ def guard_counts() -> dict[str, Any]:
     finally:
         stamp.block_guards, stamp.check_and_move = real_block, real_move
     kinds = collections.Counter(r.kind for r in template)
-    left_out = getattr(stamp_guards, "_set_by_sharding", lambda source: False)  # (an earlier tree: none)
-    fixed = collections.Counter(r.kind for r in template if left_out(r.guard.originating_source))
+    fixed = collections.Counter(r.kind for r in template if getattr(r, "fixed", False))  # (none in an earlier tree)
     return {"template": len(template), "moved_per_block": moved, "by_kind": dict(kinds.most_common()),
             "fixed_by_sharding": dict(fixed.most_common())}
 

@@ -109,6 +109,7 @@ class BlockGuard:
     code: Any                        # its source's expression, from the block (the block is ``_ROOT``)
     value: Any                       # its value on the template block
     other: Any = None                # DUPLICATE_INPUT: (depth or None, code) of the second source
+    fixed: bool = False              # checked on a later block, not moved onto it (NOTE [guards fixed by sharding])
 
 
 def _relative(source: Any, root_name: str) -> Any:
@@ -136,7 +137,8 @@ def _read_block_guards(tx: Any, root: Any, block: nn.Module) -> list[BlockGuard]
         kind = guard.create_fn_name()
         source = guard.originating_source.base if kind == "HASATTR" else guard.originating_source
         code = _relative(source, root_name)
-        record = BlockGuard(guard, kind, depth, code, _evaluate(code, scope, block))
+        record = BlockGuard(guard, kind, depth, code, _evaluate(code, scope, block),
+                            fixed=_set_by_sharding(guard.originating_source))
         if kind == "DUPLICATE_INPUT":
             other = guard.create_fn.keywords["source_b"]
             other_depth = depth_below(other, root)
@@ -271,9 +273,8 @@ def _checked_and_moved(tx: Any, template: Any, source: Any, block: nn.Module) ->
                 compile(source_name(other), "<fsdp_compile.stamp>", "eval"), scope, block)
             if b is _MISSING or b is not b_other:
                 raise Refuse(f"{source_name(here)} is not {source_name(there)}, as in the template")
-            if _set_by_sharding(guard.originating_source):
-                continue  # (checked, not guarded: NOTE [guards fixed by sharding])
-            moved.append(_like(guard, Guard(here, functools.partial(guard.create_fn.func, source_b=there))))
+            if not record.fixed:
+                moved.append(_like(guard, Guard(here, functools.partial(guard.create_fn.func, source_b=there))))
             continue
         if kind == "HASATTR":
             member = guard.originating_source.member
@@ -281,9 +282,8 @@ def _checked_and_moved(tx: Any, template: Any, source: Any, block: nn.Module) ->
                 raise Refuse(f"{source_name(here)} differs from the template's")
         elif not _agree(kind, guard, a, b):
             raise Refuse(f"{kind} on {source_name(here)} differs from the template's ({shown(b)}, not {shown(a)})")
-        if _set_by_sharding(guard.originating_source):
-            continue  # (checked, not guarded: NOTE [guards fixed by sharding])
-        moved.append(_like(guard, Guard(here, guard.create_fn)))
+        if not record.fixed:
+            moved.append(_like(guard, Guard(here, guard.create_fn)))
     return moved
 
 

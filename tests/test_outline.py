@@ -157,18 +157,15 @@ class OutlineTest(FakeWorldTestCase):
         # across calls as for inline units (unit 1's all-gather issued before unit 0's call). The call
         # takes the gathered bucket: the copies out of it run inside (NOTE [copies inside bodies]).
         self.assertExpectedInline(fwd, """\
-0  pack            unit 0  ag
-1  all_gather      unit 0  ag     all_gather      1120 B
-2  pack            unit 1  ag
-3  all_gather      unit 1  ag     all_gather      1120 B
-4  wait            unit 0  ag     all_gather
-5  compute         call fw_subgraph_0_0  (5 nodes)
-6  pack            unit 2  ag
-7  all_gather      unit 2  ag     all_gather      1120 B
-8  wait            unit 1  ag     all_gather
-9  compute         call fw_subgraph_0_0  (5 nodes)
-10 wait            unit 2  ag     all_gather
-11 compute         call fw_subgraph_0_0  (5 nodes)""")
+0  all_gather      unit 0  ag     all_gather      1120 B
+1  all_gather      unit 1  ag     all_gather      1120 B
+2  wait            unit 0  ag     all_gather
+3  compute         call fw_subgraph_0_0  (5 nodes)
+4  all_gather      unit 2  ag     all_gather      1120 B
+5  wait            unit 1  ag     all_gather
+6  compute         call fw_subgraph_0_0  (5 nodes)
+7  wait            unit 2  ag     all_gather
+8  compute         call fw_subgraph_0_0  (5 nodes)""")
         # Backward: every unit is gathered again (the body saved no view of a gathered param), the next
         # unit prefetched under each call, and each reduce-scatter issued right after its call, on the
         # packed gradients the call returns.

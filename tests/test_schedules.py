@@ -24,21 +24,18 @@ class ScheduleTest(ScheduleCase):
         # Forward: unit 1's all-gather is issued before unit 0's compute (prefetch 1) and each wait sits
         # just before its unit's compute; the all-gathers run on the all-gather stream.
         self.assertExpectedInline(fwd, """\
-0  pack            unit 0  ag
-1  all_gather      unit 0  ag     all_gather      288 B
-2  pack            unit 1  ag
-3  all_gather      unit 1  ag     all_gather      288 B
-4  wait            unit 0  ag     all_gather
-5  unpack          unit 0  ag
-6  compute         addmm relu  (3 nodes)
-7  pack            unit 2  ag
-8  all_gather      unit 2  ag     all_gather      288 B
-9  wait            unit 1  ag     all_gather
-10 unpack          unit 1  ag
-11 compute         addmm relu  (3 nodes)
-12 wait            unit 2  ag     all_gather
-13 unpack          unit 2  ag
-14 compute         addmm relu le  (4 nodes)""")
+0  all_gather      unit 0  ag     all_gather      288 B
+1  all_gather      unit 1  ag     all_gather      288 B
+2  wait            unit 0  ag     all_gather
+3  unpack          unit 0  ag
+4  compute         addmm relu  (3 nodes)
+5  all_gather      unit 2  ag     all_gather      288 B
+6  wait            unit 1  ag     all_gather
+7  unpack          unit 1  ag
+8  compute         addmm relu  (3 nodes)
+9  wait            unit 2  ag     all_gather
+10 unpack          unit 2  ag
+11 compute         addmm relu le  (4 nodes)""")
         # Backward: the gathers again (reshard after forward; unit 0's weight is not needed: its input
         # needs no grad), unit 1 prefetched under unit 2's compute. Each reduce-scatter is issued right
         # after the unit's last gradient, on its own stream; with the default cap (two buckets) the
@@ -134,21 +131,18 @@ class ScheduleTest(ScheduleCase):
         fwd, bwd = self.schedule(prefetch=0)
         # No prefetch: every all-gather is issued right before its wait: nothing overlaps it.
         self.assertExpectedInline(fwd, """\
-0  pack            unit 0  ag
-1  all_gather      unit 0  ag     all_gather      288 B
-2  wait            unit 0  ag     all_gather
-3  unpack          unit 0  ag
-4  compute         addmm relu  (3 nodes)
-5  pack            unit 1  ag
-6  all_gather      unit 1  ag     all_gather      288 B
-7  wait            unit 1  ag     all_gather
-8  unpack          unit 1  ag
-9  compute         addmm relu  (3 nodes)
-10 pack            unit 2  ag
-11 all_gather      unit 2  ag     all_gather      288 B
-12 wait            unit 2  ag     all_gather
-13 unpack          unit 2  ag
-14 compute         addmm relu le  (4 nodes)""")
+0  all_gather      unit 0  ag     all_gather      288 B
+1  wait            unit 0  ag     all_gather
+2  unpack          unit 0  ag
+3  compute         addmm relu  (3 nodes)
+4  all_gather      unit 1  ag     all_gather      288 B
+5  wait            unit 1  ag     all_gather
+6  unpack          unit 1  ag
+7  compute         addmm relu  (3 nodes)
+8  all_gather      unit 2  ag     all_gather      288 B
+9  wait            unit 2  ag     all_gather
+10 unpack          unit 2  ag
+11 compute         addmm relu le  (4 nodes)""")
         self.assertExpectedInline(bwd, """\
 0  compute         where  (2 nodes)
 1  pack            unit 2  ag
@@ -180,21 +174,18 @@ class ScheduleTest(ScheduleCase):
         fwd, bwd = self.schedule(prefetch=2)
         # Depth 2: all three forward all-gathers are issued before unit 0's compute.
         self.assertExpectedInline(fwd, """\
-0  pack            unit 0  ag
-1  all_gather      unit 0  ag     all_gather      288 B
-2  pack            unit 1  ag
-3  all_gather      unit 1  ag     all_gather      288 B
-4  pack            unit 2  ag
-5  all_gather      unit 2  ag     all_gather      288 B
-6  wait            unit 0  ag     all_gather
-7  unpack          unit 0  ag
+0  all_gather      unit 0  ag     all_gather      288 B
+1  all_gather      unit 1  ag     all_gather      288 B
+2  all_gather      unit 2  ag     all_gather      288 B
+3  wait            unit 0  ag     all_gather
+4  unpack          unit 0  ag
+5  compute         addmm relu  (3 nodes)
+6  wait            unit 1  ag     all_gather
+7  unpack          unit 1  ag
 8  compute         addmm relu  (3 nodes)
-9  wait            unit 1  ag     all_gather
-10 unpack          unit 1  ag
-11 compute         addmm relu  (3 nodes)
-12 wait            unit 2  ag     all_gather
-13 unpack          unit 2  ag
-14 compute         addmm relu le  (4 nodes)""")
+9  wait            unit 2  ag     all_gather
+10 unpack          unit 2  ag
+11 compute         addmm relu le  (4 nodes)""")
         self.assertExpectedInline(bwd, """\
 0  compute         where  (2 nodes)
 1  pack            unit 2  ag

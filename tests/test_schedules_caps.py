@@ -129,18 +129,15 @@ class CapScheduleTest(ScheduleCase):
         fwd, bwd = self.schedule(prefetch=2, prefetch_bytes=600)
         # Depth 2 asked, but 600 B holds two 288 B gathered buckets: unit 2 is issued one unit ahead.
         self.assertExpectedInline(fwd, """\
-0  pack            unit 0  ag
-1  all_gather      unit 0  ag     all_gather      288 B
-2  pack            unit 1  ag
-3  all_gather      unit 1  ag     all_gather      288 B
-4  wait            unit 0  ag     all_gather
-5  unpack          unit 0  ag
-6  compute         addmm relu  (3 nodes)
-7  pack            unit 2  ag
-8  all_gather      unit 2  ag     all_gather      288 B
-9  wait            unit 1  ag     all_gather
-10 unpack          unit 1  ag
-11 compute         addmm relu  (3 nodes)
-12 wait            unit 2  ag     all_gather
-13 unpack          unit 2  ag
-14 compute         addmm relu le  (4 nodes)""")
+0  all_gather      unit 0  ag     all_gather      288 B
+1  all_gather      unit 1  ag     all_gather      288 B
+2  wait            unit 0  ag     all_gather
+3  unpack          unit 0  ag
+4  compute         addmm relu  (3 nodes)
+5  all_gather      unit 2  ag     all_gather      288 B
+6  wait            unit 1  ag     all_gather
+7  unpack          unit 1  ag
+8  compute         addmm relu  (3 nodes)
+9  wait            unit 2  ag     all_gather
+10 unpack          unit 2  ag
+11 compute         addmm relu le  (4 nodes)""")

@@ -106,6 +106,23 @@ def serializable(compiler: Callable[..., Any]) -> Callable[..., Any]:
     return SerializableAOTDispatchCompiler(OutputCode, compiler)
 
 
+def on_each_compile(start: Callable[[Any], None], end: Callable[[Any], None]) -> None:
+    """Call ``start`` when a Dynamo frame compile (tracing, the backend, guards) or a lazily compiled
+    backward begins and ``end`` when it ends, however it ends (Dynamo's compile callbacks, torch 2.11
+    and 2.13: the outermost compile of nested ones calls them once, with its arguments). Idempotent;
+    ``torch._dynamo.reset()`` forgets them, so call it again where that may have happened."""
+    handler = torch._dynamo.callback_handler
+    if start not in handler.start_callbacks:
+        handler.register_start_callback(start)
+    if end not in handler.end_callbacks:
+        handler.register_end_callback(end)
+
+
+def in_frame_compile() -> bool:
+    """Whether Dynamo is compiling a frame now (its compile callbacks will call ``end`` when it ends)."""
+    return torch._guards.CompileContext.current_compile_id() is not None
+
+
 def inductor_config_patch(changes: dict[str, Any]) -> Any:
     """A context manager applying Inductor config ``changes`` for one compile only."""
     return torch._inductor.config.patch(changes)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -69,6 +68,7 @@ from ._compat import (
     timed,
 )
 from .autotune import Choice
+from .collector import defer_full_collections_while_compiling, no_full_collections
 from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule, schedule_logged
@@ -352,7 +352,8 @@ def make_backend(
     settings = repr((options, hw))
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        with no_full_collections():  # NOTE [no full collections]
+        defer_full_collections_while_compiling()  # NOTE [no full collections]: to this compile's end
+        with no_full_collections():
             return _backend(gm, example_inputs)
 
     def _backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
@@ -390,28 +391,6 @@ def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | No
     return run
 
 
-_NEVER = 2**31 - 1
-
-
-@contextlib.contextmanager
-def no_full_collections() -> Iterator[None]:
-    """NOTE [no full collections]: a compile makes a great many objects that live until it ends (graphs,
-    nodes, fake tensors), so Python's collector promotes them and every few thousand allocations runs a
-    full collection, each walking every object the process holds, torch's own included: at 32 blocks
-    five of them took 2.0 s of a 38 s CPU compile here (0.4 s each), and on the H200's host the
-    collector took 2.1 s of 19.5 s (0.6 s at 4 blocks). While our backend compiles, only the young
-    generations are collected (short-lived garbage goes as usual); what the compile leaves in the old
-    generation waits for the first full collection after it. Nested compiles, a collector switched off
-    and a user's own setting of the oldest generation's threshold are left as they are."""
-    threshold = gc.get_threshold()
-    if not gc.isenabled() or threshold[2] >= _NEVER:
-        yield
-        return
-    gc.set_threshold(threshold[0], threshold[1], _NEVER)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
 
 
 def _cacheable(options: BackendOptions) -> bool:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .collector import hold_full_collections_in_compiles
 from .flat import flatten_unit
 from .gathered import gathered
 from .grads import ShardGrad, as_shard_grad
@@ -188,6 +189,7 @@ def fully_shard(
         )
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard: expected an nn.Module, got {type(module).__name__}.")
+    hold_full_collections_in_compiles()  # NOTE [no full collections], for whole compiles
     if not isinstance(groups, FsdpGroups):
         raise TypeError(
             f"fully_shard: groups must be an FsdpGroups (FsdpGroups.create()), got {type(groups).__name__}."

@@ -56,10 +56,12 @@ def _hoistable(marker: fx.Node, placeholders: set[fx.Node]) -> list[fx.Node] | N
 
 
 def _fresh(val: object) -> object:
-    """A new fake tensor like ``val`` (a value of its own for each node that is given one)."""
+    """A new fake tensor like ``val`` (a value of its own for each node that is given one): a meta tensor
+    wrapped by ``val``'s fake mode, a quarter of what an ``empty_strided`` dispatched through the mode
+    costs (about 30 against 120 us; one for each moved node of every call, 864 at 32 Llama blocks)."""
     if isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
-        with val.fake_mode:
-            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        return val.fake_mode.fake_tensor_converter.from_meta_and_device(val.fake_mode, meta, val.device)
     return val
 
 

@@ -1,5 +1,6 @@
-"""NOTE [no full collections]: while our backend compiles, Python's collector runs no full collection;
-its settings are the user's again afterwards."""
+"""NOTE [no full collections]: while our backend compiles (and, once ``fully_shard`` ran, while Dynamo
+traces and builds guards), Python's collector runs no full collection; its settings are the user's again
+afterwards."""
 
 from __future__ import annotations
 

@@ -391,8 +391,6 @@ def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | No
     return run
 
 
-
-
 def _cacheable(options: BackendOptions) -> bool:
     """Whether AOTAutograd's cache may serve this compile (NOTE [warm start] in ``cache.py``): not
     where the user asked to see each compile's schedule."""

@@ -26,6 +26,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-compile-flatprobe": ("flatprobe", {}),
     # each unit's shards apart, not one flat shard: fully_shard(flat=False), as before 2026-12-03
     "fsdp-compile-apart": ("apart", {}),
+    # a probe, not a mode: AOTAutograd's activation memory budget 0, so each outlined body saves only
+    # what it cannot recompute and the outer graphs carry a few saved tensors per call, not 14 (what
+    # returning a body's saved activations as one buffer would buy at compile time, less the packing)
+    "fsdp-compile-saveless": ("saveless", {}),
     "fsdp2-compile": ("fsdp2", {}),
     # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/peers.py; CUDA only)
     "simplefsdp": ("simplefsdp", {}),
@@ -101,6 +105,8 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
         from benchmarks.flat_probe import flatten_blocks
 
         flatten_blocks(model)
+    if how == "saveless":
+        torch._functorch.config.activation_memory_budget = 0.0
     groups = FsdpGroups.create()
     flat = how != "apart"  # NOTE [flat shards]
     for block in [stack_blocks(model)] if how == "stacked" else model.layers:
@@ -214,11 +220,13 @@ class _CollectorClock:
 
 
 def _collectives(gm: Any) -> dict[str, int]:
-    """How many all-gathers, reduce-scatters and subgraph calls a scheduled graph holds."""
+    """How many all-gathers, reduce-scatters and subgraph calls a scheduled graph holds, its nodes and its
+    outputs (a forward's: the user's and the saved tensors)."""
     import torch
 
     from passes.predicates import is_all_gather, is_reduce_scatter
 
     nodes = list(gm.graph.nodes)
     return {"all_gather": sum(map(is_all_gather, nodes)), "reduce_scatter": sum(map(is_reduce_scatter, nodes)),
-            "invoke_subgraph": sum(n.target is torch.ops.higher_order.invoke_subgraph for n in nodes)}
+            "invoke_subgraph": sum(n.target is torch.ops.higher_order.invoke_subgraph for n in nodes),
+            "nodes": len(nodes), "outputs": len(gm.graph.find_nodes(op="output")[0].args[0])}

@@ -55,12 +55,14 @@ def _hoistable(marker: fx.Node, placeholders: set[fx.Node]) -> list[fx.Node] | N
     return [*moved, marker]
 
 
-def _fresh(val: object) -> object:
-    """A new fake tensor like ``val`` (a value of its own for each node that is given one): a meta tensor
-    wrapped by ``val``'s fake mode, a quarter of what an ``empty_strided`` dispatched through the mode
-    costs (about 30 against 120 us; one for each moved node of every call, 864 at 32 Llama blocks)."""
+def fresh_value(val: object, *, requires_grad: bool = False) -> object:
+    """A new fake tensor like ``val`` (a value of its own for each node that is given one; ``val`` itself
+    if it is no fake tensor): a meta tensor wrapped by ``val``'s fake mode, a quarter of what an
+    ``empty_strided`` dispatched through the mode costs (about 30 against 120 us; one for each moved node
+    of every call, 864 at 32 Llama blocks). ``requires_grad``: as ``val``'s."""
     if isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
-        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta",
+                                   requires_grad=requires_grad and val.requires_grad)
         return val.fake_mode.fake_tensor_converter.from_meta_and_device(val.fake_mode, meta, val.device)
     return val
 
@@ -90,7 +92,7 @@ def _hoist_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> None:
                     outer = gm.graph.node_copy(node, lambda n: env[n])
                 for key in ("example_value", "val"):
                     if key in node.meta:
-                        outer.meta[key] = _fresh(node.meta[key])
+                        outer.meta[key] = fresh_value(node.meta[key])
                 env[node] = outer
             gathered.append(env[marker])
         call.args = (call.args[0], call.args[1], *[env[p] for p in kept], *gathered)

@@ -21,10 +21,11 @@ which is the graph Dynamo gives when it traces every block (and finds their bodi
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 from torch import fx
+
+from .hoist import fresh_value
 
 __all__ = ["STAMP_TEMPLATE", "stamp_out_pass"]
 
@@ -36,14 +37,6 @@ _invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
 def _is_stamped(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "name", lambda: "")() == "fsdp::stamped"
-
-
-def _fresh(value: Any) -> Any:
-    if isinstance(value, torch._subclasses.fake_tensor.FakeTensor):
-        with value.fake_mode:
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
-                                       requires_grad=value.requires_grad)
-    return value
 
 
 def _stamp_out(graph: fx.Graph, node: fx.Node, template: fx.Node) -> None:
@@ -61,7 +54,7 @@ def _stamp_out(graph: fx.Graph, node: fx.Node, template: fx.Node) -> None:
         call = graph.call_function(_invoke_subgraph, (template.args[0], template.args[1], *operands))
     values = template.meta.get("example_value")
     if values is not None:
-        call.meta["example_value"] = tuple(_fresh(v) for v in values)
+        call.meta["example_value"] = tuple(fresh_value(v, requires_grad=True) for v in values)
     for user in list(node.users):
         assert user.op == "call_function" and user.target is operator.getitem, user
         with graph.inserting_before(user):

@@ -19,6 +19,10 @@
 #            (AB_VARIANTS: which variants; default stacked and outlined);
 #   warmab   warm start, stacked, of the tree at $BASE against this one: second process starts over one
 #            cache directory, alternated, ROUNDS rounds at 32 blocks (benchmarks/warm_ab.py);
+#   cold     cold compile of the outlined default alone at 4 and 32 blocks, ROUNDS rounds (depths alternated);
+#   table    the issue's table: cold compile at 4, 16 and 32 blocks of plain torch.compile, the outlined
+#            default, FSDP2 + compile and SimpleFSDP, one round, variants rotated per depth;
+#   step32   training step with the collectives kept, outlined against the whole-model graph, 32 blocks;
 #   commsetup  what the first collective on each of our two NCCL groups costs at world 1 (the
 #            communicators' set-up, inside every variant's first step that issues collectives).
 # Usage: bash benchmarks/h200_stacks.sh OUT part [part ...]   (default: compile simple warm)
@@ -44,8 +48,20 @@ for PART in $PARTS; do
     timeout 560 python3 -m benchmarks.compile_time "${SHAPE[@]}" --world 2 --layers 4 --rounds ${ROUNDS:-3} \
       --variants fsdp-compile-stacked simplefsdp fsdp-compile --json "$OUT/compile_time-cold-cuda-w2fake-L4-simplefsdp.json" \
       2>&1 | quiet | tail -6 ;;
+  cold)
+    timeout 560 python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers 4 32 --rounds ${ROUNDS:-5} \
+      --variants fsdp-compile --json "$OUT/compile_time-cold-cuda-w1-L4-32${TAG:-}.json" 2>&1 | quiet | tail -5 ;;
+  table)
+    timeout 560 python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers 4 16 32 --rounds 1 --steps 10 \
+      --variants compile fsdp-compile fsdp2-compile simplefsdp \
+      --json "$OUT/compile_time-cold-cuda-w1-L4-16-32-table${TAG:-}.json" 2>&1 | quiet | tail -16 ;;
+  step32)
+    timeout 400 python3 -m benchmarks.step_time --preset gpu-llama-1024 --layers 32 --spawn 1 --rounds 2 --no-png \
+      --profile-steps 0 --variants fsdp-compile-keep,fsdp-compile-keep-whole \
+      --json "$OUT/step_time-gpu-llama-1024-L32-whole-w1${TAG:-}.json" 2>&1 | quiet | tail -8 ;;
   warm)
-    timeout 200 python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers ${WARM_LAYERS:-4 32} --warm-start \
+    timeout ${WARM_TIMEOUT:-200} python3 -m benchmarks.compile_time "${SHAPE[@]}" --layers ${WARM_LAYERS:-4 32} --warm-start \
+      --rounds ${WARM_ROUNDS:-1} \
       --variants ${WARM_VARIANTS:-fsdp-compile-stacked} --json "$OUT/compile_time-warm-cuda-w1-${WARM_TAG:-stacks}.json" \
       2>&1 | quiet | tail -8 ;;
   step)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .hoist import fresh_value
 from .inline import holds
 from .predicates import is_unshard
 
@@ -55,10 +56,6 @@ def _fake(fn: Callable[..., Any], value: Any) -> Any:
         return None
     with value.fake_mode:
         return fn(value)
-
-
-def _like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
 def _stacked_from(node: fx.Node) -> list[fx.Node] | None:
@@ -98,7 +95,7 @@ def _unroll(gm: fx.GraphModule, scan: fx.Node, identifier: str) -> None:
         for i in range(length):
             body = graph.get_attr(str(attr.target))
             call = graph.call_function(_invoke_subgraph, (body, identifier, *carry, *[r[i] for r in rows], *additional))
-            call.meta["example_value"] = tuple(_fake(_like, v) for v in (*carry_values, *y_values))  # each its own
+            call.meta["example_value"] = tuple(fresh_value(v) for v in (*carry_values, *y_values))  # each its own
             outs = [_with_example(graph.call_function(operator.getitem, (call, k)), v)
                     for k, v in enumerate(call.meta["example_value"])]
             carry = outs[:n_carry]

@@ -1,6 +1,6 @@
-"""NOTE [no full collections]: while our backend compiles (and, once ``fully_shard`` ran, while Dynamo
-traces and builds guards), Python's collector runs no full collection; its settings are the user's again
-afterwards."""
+"""NOTE [no full collections]: while our backend compiles, and from its call to the end of that Dynamo
+compile (guards included), Python's collector runs no full collection; its settings are the user's again
+afterwards, and compiles of other backends are left alone."""
 
 from __future__ import annotations
 
@@ -61,19 +61,12 @@ def test_the_backend_compiles_with_full_collections_held_off(monkeypatch: pytest
     assert gc.get_threshold() == before
 
 
-def test_a_whole_compile_traces_and_builds_guards_with_full_collections_held_off(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """NOTE [no full collections], for whole compiles: Dynamo's trace before the backend and its guards
-    after it, not only the backend, once ``fully_shard`` (or our backend) has run in the process."""
-    from fsdp_compile.collector import hold_full_collections_in_compiles
-
-    torch._dynamo.reset()  # forgets every compile callback
-    hold_full_collections_in_compiles()  # as fully_shard does
-    before = gc.get_threshold()
+def _thresholds_in_trace_and_guards(monkeypatch: pytest.MonkeyPatch, backend_fn: Any) -> dict[str, Any]:
+    """The collector's thresholds seen at the start of a Dynamo compile (its trace) and in its guards."""
     seen: dict[str, tuple[int, int, int]] = {}
     handler = torch._dynamo.callback_handler
 
-    def at_start(_args: Any) -> None:  # registered after ours: runs after it
+    def at_start(_args: Any) -> None:
         seen.setdefault("trace", gc.get_threshold())
 
     guards = torch._dynamo.guards.CheckFunctionManager.__init__
@@ -85,12 +78,32 @@ def test_a_whole_compile_traces_and_builds_guards_with_full_collections_held_off
     monkeypatch.setattr(torch._dynamo.guards.CheckFunctionManager, "__init__", spy)
     handler.register_start_callback(at_start)
     try:
-        compiled = torch.compile(nn.Linear(3, 3), backend=make_backend(inductor=False))
+        compiled = torch.compile(nn.Linear(3, 3), backend=backend_fn)
         compiled(torch.randn(2, 3)).sum().backward()
     finally:
         handler.remove_start_callback(at_start)
-    assert set(seen) == {"trace", "guards"} and all(t[2] > 10**9 for t in seen.values()), seen
-    assert gc.get_threshold() == before  # the user's again once the compile ended
+    return seen
+
+
+def test_our_compile_builds_guards_with_full_collections_held_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [no full collections], to the end of our compile: the guards Dynamo builds after our backend
+    returned are covered too; the settings are the user's again once the compile ended."""
+    torch._dynamo.reset()  # forgets every compile callback: the backend registers its own again
+    before = gc.get_threshold()
+    seen = _thresholds_in_trace_and_guards(monkeypatch, make_backend(inductor=False))
+    assert seen["guards"][2] > 10**9, seen
+    assert gc.get_threshold() == before
+
+
+def test_a_compile_of_another_backend_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After our backend ran in the process, a compile with another backend keeps the user's collector
+    settings throughout: no process-wide effect."""
+    torch._dynamo.reset()
+    torch.compile(nn.Linear(3, 3), backend=make_backend(inductor=False))(torch.randn(2, 3)).sum().backward()
+    before = gc.get_threshold()
+    seen = _thresholds_in_trace_and_guards(monkeypatch, "eager")
+    assert set(seen) == {"trace", "guards"} and all(t == before for t in seen.values()), seen
+    assert gc.get_threshold() == before
 
 
 def test_a_backend_called_by_hand_leaves_the_collector_as_it_was() -> None:

@@ -13,6 +13,14 @@ something else, and so ends, much later, with the wrong diagnosis. Hence:
   it waits for is itself waiting for a key this rank never posted, neither can go on: they diverged.
 - If the store's host (rank 0, or torchrun's agent) is gone, store calls fail: that is reported too.
 
+What this does to the process, and for how long (the only process-wide effects of ``FsdpGroups``): the
+heartbeat thread, a ``sys.excepthook`` that writes ``failed/<rank>`` and then calls the hook it
+replaced, and an ``atexit`` function that writes ``exited/<rank>``. All three exist only while an
+``FsdpGroups`` on a real process group (not ``fake``) is alive: they start with the first
+``FsdpGroups.create()`` and end with the last ``FsdpGroups.destroy()`` (the thread also ends when its
+process group is destroyed). The previous ``sys.excepthook`` is put back then, unless something
+replaced ours meanwhile; ours then only passes exceptions on.
+
 So :func:`wait_for` returns once every peer has posted, or raises :class:`PeerError` naming the rank and
 what happened: within seconds when a peer is gone or diverged, at the process group's timeout when a
 peer is alive but never comes. While all goes well a waiting rank polls one arrival counter per group,
@@ -88,7 +96,9 @@ class _Heartbeat:
 
 _heartbeat: _Heartbeat | None = None
 _users = 0  # FsdpGroups alive in this process
-_hooks_installed = False
+_hooks_on = False  # our sys.excepthook reports and our atexit function is registered (NOTE [peers])
+_chained = False  # ours is in the chain of sys.excepthook (kept where another hook wrapped it)
+_previous_hook: Callable[..., object] = sys.__excepthook__  # the sys.excepthook ours replaced
 
 
 def _store() -> dist.Store:
@@ -122,8 +132,10 @@ def release() -> None:
     """Undo one :func:`start`; the heartbeat stops with the last (``FsdpGroups.destroy()``)."""
     global _users
     _users = max(0, _users - 1)
-    if _users == 0 and _heartbeat is not None:
-        _heartbeat.stop.set()
+    if _users == 0:
+        if _heartbeat is not None:
+            _heartbeat.stop.set()
+        _remove_hooks()
 
 
 def _beat(beat: _Heartbeat, conn: dist.Store) -> None:
@@ -141,20 +153,39 @@ def _beat(beat: _Heartbeat, conn: dist.Store) -> None:
             return
 
 
-def _install_hooks() -> None:
-    """Say ``failed`` on an uncaught exception and ``exited`` at exit, so peers learn it at once."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    previous = sys.excepthook
-
-    def excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+def _excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+    """Ours while installed: tell the peers, then run the hook ours replaced."""
+    if _hooks_on:
         note_failure(f"{kind.__name__}: {value}")
-        previous(kind, value, tb)  # type: ignore[arg-type]
+    _previous_hook(kind, value, tb)
 
-    sys.excepthook = excepthook
-    atexit.register(_note, "exited", "exited")
+
+def _exited() -> None:
+    _note("exited", "exited")
+
+
+def _install_hooks() -> None:
+    """Say ``failed`` on an uncaught exception and ``exited`` at exit, so peers learn it at once (until
+    :func:`_remove_hooks`, NOTE [peers])."""
+    global _hooks_on, _chained, _previous_hook
+    if _hooks_on:
+        return
+    _hooks_on = True
+    if not _chained:
+        _previous_hook, sys.excepthook, _chained = sys.excepthook, _excepthook, True
+    atexit.register(_exited)
+
+
+def _remove_hooks() -> None:
+    """Undo :func:`_install_hooks`: the previous ``sys.excepthook`` again (unless another replaced ours
+    since: ours then only passes exceptions on), no ``atexit`` function."""
+    global _hooks_on, _chained
+    if not _hooks_on:
+        return
+    _hooks_on = False
+    if sys.excepthook is _excepthook:
+        sys.excepthook, _chained = _previous_hook, False
+    atexit.unregister(_exited)
 
 
 def _note(kind: str, text: str) -> None:

@@ -6,7 +6,8 @@ clip each rank's rows by a different factor, silently. So after every backward t
 sharded parameter is handed out as a :class:`ShardGrad`: the same tensor (this rank's rows), whose
 *norms* are computed over every rank's rows with one all-reduce over the shard group. Everything else
 runs on it as on a plain tensor and returns plain tensors. ``ShardGrad`` is registered for foreach as
-torch registers ``DTensor``, so ``clip_grad_norm_`` and ``get_total_norm`` keep their foreach path: one
+torch registers ``DTensor`` (when the first one is made, not at import: torch's list of foreach types is
+process-wide), so ``clip_grad_norm_`` and ``get_total_norm`` keep their foreach path: one
 ``_foreach_norm`` and one all-reduce per (group, device) for the whole model, and then a norm of the
 per-parameter global norms, which is the global norm.
 
@@ -54,13 +55,17 @@ class ShardGrad(Tensor):
             return func(*args, **kwargs)
 
 
-register_foreach_type(ShardGrad)
+_registered = False  # ShardGrad in torch's foreach types (NOTE [global norms]), from the first one made
 
 
 def as_shard_grad(grad: Tensor, group_name: str, rows: int) -> ShardGrad:
     """``grad`` (this rank's rows) as a :class:`ShardGrad` sharing its storage."""
+    global _registered
     if type(grad) is ShardGrad:
         return grad  # type: ignore[return-value]
+    if not _registered:
+        register_foreach_type(ShardGrad)
+        _registered = True
     out = grad.as_subclass(ShardGrad)
     out._fsdp_group = group_name
     out._fsdp_rows = rows

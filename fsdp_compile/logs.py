@@ -1,5 +1,11 @@
 """Schedules in logs: ``TORCH_LOGS=fsdp_schedule`` and tlparse (structured trace) entries.
 
+NOTE [the fsdp_schedule artifact]: ``import fsdp_compile`` registers the ``fsdp_schedule`` logging
+artifact (nothing runs at ``import torch``). Torch checks ``TORCH_LOGS`` at its own import, before the
+artifact exists; the setting passes that check because ``fsdp_schedule`` is also the name of an empty
+top-level module (``fsdp_schedule.py``), and registering the artifact here switches it on when
+``TORCH_LOGS`` names it. After import, ``torch._logging.set_logs(fsdp_schedule=True)`` works too.
+
 The text log comes from rank 0 alone by default (every rank compiles the same schedule: the agreement
 check makes sure of it); ``FSDP_COMPILE_LOG_RANKS=all`` (or a list, ``0,3``) logs from other ranks
 too. The structured trace is written on every rank, as tlparse reads one file per rank.
@@ -13,18 +19,35 @@ from collections.abc import Callable
 
 import torch._logging
 import torch.distributed as dist
-
-import fsdp_schedule
+from torch._logging import _internal  # register_artifact, log_state: for _compat.py (issue 35)
 
 from ._compat import getArtifactLogger
 
-__all__ = ["log_schedule", "LOG_RANKS_ENV", "logs_on_rank"]
+__all__ = ["ARTIFACT", "log_schedule", "LOG_RANKS_ENV", "logs_on_rank"]
 
 LOG_RANKS_ENV = "FSDP_COMPILE_LOG_RANKS"
+ARTIFACT = "fsdp_schedule"
 
-fsdp_schedule.register()  # again, in case torch was imported without the entry point
+
+def _requested() -> bool:
+    """Whether ``TORCH_LOGS`` names the artifact (``+`` and ``-`` prefixes allowed, as torch allows)."""
+    return any(name.strip().lstrip("+-") == ARTIFACT for name in os.environ.get("TORCH_LOGS", "").split(","))
+
+
+def _register() -> None:
+    """Register the artifact (NOTE [the fsdp_schedule artifact]); on where ``TORCH_LOGS`` names it."""
+    _internal.register_artifact(
+        ARTIFACT,
+        "fsdp-compile: the scheduled collectives of each compiled graph, with estimated times",
+        off_by_default=True,
+    )
+    if _requested() and not _internal.log_state.is_artifact_enabled(ARTIFACT):
+        _internal.log_state.enable_artifact(ARTIFACT)
+
+
+_register()
 # A child of the "torch" logger, so that the handlers TORCH_LOGS configures print it.
-_log = getArtifactLogger("torch.fsdp_compile", fsdp_schedule.ARTIFACT)
+_log = getArtifactLogger("torch.fsdp_compile", ARTIFACT)
 
 
 def logs_on_rank(rank: int, setting: str | None) -> bool:

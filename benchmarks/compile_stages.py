@@ -21,15 +21,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-compile": ("fsdp", {}),  # the default: identical blocks outlined (NOTE [outlined units])
     "fsdp-compile-whole": ("fsdp", {"outline": False}),  # one whole-model graph, every block inline
     "fsdp-compile-stacked": ("stacked", {}),  # the blocks as one BlockStack: traced once (NOTE [stacked blocks])
-    # a probe, not a mode: each block's weights as one flat parameter, i.e. one shard per unit
-    # (benchmarks/flat_probe.py: what the flat-shard design would buy at compile time)
-    "fsdp-compile-flatprobe": ("flatprobe", {}),
-    # each unit's shards apart, not one flat shard: fully_shard(flat=False), as before 2026-12-03
+    # each unit's shards apart, not one flat shard: fully_shard(flat=False) (NOTE [flat shards])
     "fsdp-compile-apart": ("apart", {}),
-    # a probe, not a mode: AOTAutograd's activation memory budget 0, so each outlined body saves only
-    # what it cannot recompute and the outer graphs carry a few saved tensors per call, not 14 (what
-    # returning a body's saved activations as one buffer would buy at compile time, less the packing)
-    "fsdp-compile-saveless": ("saveless", {}),
     "fsdp2-compile": ("fsdp2", {}),
     # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/peers.py; CUDA only)
     "simplefsdp": ("simplefsdp", {}),
@@ -101,12 +94,6 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
 
     from benchmarks.models import stack_blocks
 
-    if how == "flatprobe":
-        from benchmarks.flat_probe import flatten_blocks
-
-        flatten_blocks(model)
-    if how == "saveless":
-        torch._functorch.config.activation_memory_budget = 0.0
     groups = FsdpGroups.create()
     flat = how != "apart"  # NOTE [flat shards]
     for block in [stack_blocks(model)] if how == "stacked" else model.layers:

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.flat_probe import flatten_blocks
 from benchmarks.models import ModelSpec, Runner, blocks_of, build_model, stack_blocks
 from benchmarks.peers import PEERS, build_megatron_fsdp, build_simple_fsdp, peer_reason
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
@@ -30,37 +29,33 @@ VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-whole", "fsdp-compile
                              "fsdp-compile-ag", "fsdp-compile-delayed", "fsdp2-eager",
                              "fsdp2-eager-one-group", "fsdp2-compile", *PEERS, "compile", "fsdp-compile-keep",
                              "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed",
-                             "fsdp-compile-stacked", "fsdp-compile-keep-stacked", "fsdp-compile-flatprobe",
-                             "fsdp-compile-keep-flatprobe", "fsdp-compile-apart", "fsdp-compile-keep-apart")
-# a probe, not a mode: each block's weights one flat parameter, one shard per unit (benchmarks/flat_probe.py)
-_FLAT = ("fsdp-compile-flatprobe", "fsdp-compile-keep-flatprobe")
+                             "fsdp-compile-stacked", "fsdp-compile-keep-stacked", "fsdp-compile-apart",
+                             "fsdp-compile-keep-apart")
 _STACKED = ("fsdp-compile-stacked", "fsdp-compile-keep-stacked")  # one BlockStack (NOTE [stacked blocks])
-# each unit's shards apart, not one flat shard (fully_shard(flat=False), as before 2026-12-03: NOTE [flat shards])
+# each unit's shards apart, not one flat shard (fully_shard(flat=False): NOTE [flat shards])
 _APART = ("fsdp-compile-apart", "fsdp-compile-keep-apart")
 _KEEP = ("fsdp-compile-keep", "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed",
-         "fsdp-compile-keep-packed", "fsdp-compile-keep-stacked", "fsdp-compile-keep-flatprobe",
-         "fsdp-compile-keep-apart")  # world 1 only
+         "fsdp-compile-keep-packed", "fsdp-compile-keep-stacked", "fsdp-compile-keep-apart")  # world 1 only
 COMPARISONS: tuple[str, ...] = ("fsdp-compile-whole", "fsdp-compile-bucketed", "fsdp-compile-packed",
                                 "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed",
-                                *_STACKED, *_FLAT, *_APART)
+                                *_STACKED, *_APART)
 """Variants that only take one of fsdp-compile's choices back (see ``_BACKEND_KW``): run when named."""
 DEFAULT_VARIANTS: tuple[str, ...] = tuple(v for v in VARIANTS if v not in COMPARISONS)
 OPTIMIZERS: tuple[str, ...] = ("fused", "foreach")
 _DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-whole": "reduce_scatter",
               "fsdp-compile-bucketed": "reduce_scatter",
               "fsdp-compile-packed": "reduce_scatter", "fsdp-compile-ag": "all_gather", "fsdp-compile-delayed": "none",
-              "fsdp-compile-stacked": "reduce_scatter", "fsdp-compile-flatprobe": "reduce_scatter",
+              "fsdp-compile-stacked": "reduce_scatter",
               "fsdp-compile-apart": "reduce_scatter",
               **{k: "reduce_scatter" for k in _KEEP}}
 _BUCKETED: dict[str, Any] = {"bucket_alone_bytes": None}  # every param bucketed, gathered in place
-_PACKED: dict[str, Any] = {"bucket_alone_bytes": None, "inplace_gather": False}  # as before 2026-12-01
-_WHOLE: dict[str, Any] = {"outline": False}  # every block inline, one whole-model graph (before 2026-12-01)
+_PACKED: dict[str, Any] = {"bucket_alone_bytes": None, "inplace_gather": False}  # bucketed, gathered then copied out
+_WHOLE: dict[str, Any] = {"outline": False}  # every block inline, one whole-model graph
 _BACKEND_KW: dict[str, dict[str, Any]] = {"fsdp-compile-delayed": {"schedule": "delayed"}, "fsdp-compile-whole": _WHOLE,
                                           "fsdp-compile-keep-whole": {"elide_single_rank": False, **_WHOLE},
                                           "fsdp-compile-bucketed": _BUCKETED, "fsdp-compile-packed": _PACKED,
                                           "fsdp-compile-keep": {"elide_single_rank": False},
                                           "fsdp-compile-keep-stacked": {"elide_single_rank": False},
-                                          "fsdp-compile-keep-flatprobe": {"elide_single_rank": False},
                                           "fsdp-compile-keep-apart": {"elide_single_rank": False},
                                           "fsdp-compile-keep-bucketed": {"elide_single_rank": False, **_BUCKETED},
                                           "fsdp-compile-keep-packed": {"elide_single_rank": False, **_PACKED}}
@@ -148,8 +143,6 @@ def build_variant(name: str, spec: ModelSpec, shared: SharedGroups, seed: int, o
         forward = build_simple_fsdp(model, shared.fsdp2_mesh())
     elif name in _DEDICATED:
         groups = shared.groups(_DEDICATED[name])
-        if name in _FLAT:
-            flatten_blocks(model)
         flat = name not in _APART
         for block in [stack_blocks(model)] if name in _STACKED else blocks_of(model):
             fully_shard(block, groups=groups, flat=flat)

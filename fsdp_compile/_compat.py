@@ -7,7 +7,6 @@ Where these move between releases, the fallback belongs here and nowhere else. C
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +25,6 @@ from torch._logging._internal import getArtifactLogger
 __all__ = [
     "aot_autograd",
     "compile_fx_inner",
-    "compile_region",
     "compile_time_metrics",
     "default_store",
     "forward_user_outputs",
@@ -43,6 +41,7 @@ __all__ = [
     "region_schemas_once",
     "register_foreach_type",
     "resolve_group",
+    "restarts_the_trace",
     "scan",
     "scan_example_values_without_autograd",
     "select_decomp_table",
@@ -178,45 +177,6 @@ def compile_time_metrics() -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics
 
     return {key: float(sum(values)) for key, values in compilation_time_metrics.items()}
-
-
-# More traces of one region than a model has units; past torch's cap (8 in 2.13) Dynamo raises instead
-# of tracing a block whose guards differ (a per-block attribute its forward reads, say) once more.
-_REGION_TRACES = 1 << 20
-
-
-@functools.cache
-def native_region_reuse() -> bool:
-    """Whether this torch's Dynamo traces a ``nested_compile_region`` once and re-checks later calls'
-    guards (torch 2.13; 2.11 traces every call)."""
-    import inspect
-
-    return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
-
-
-# NOTE [stamped blocks] in stamp.py: stamp out outlined blocks ourselves where Dynamo traces each call.
-# ``None``: where this torch has no reuse of its own; tests set it to force either way (forced on a torch
-# with reuse of its own, Dynamo's inlining of bodies called once must be off too: it would inline the
-# template, which stamped calls do not count as calls).
-STAMP_REGIONS: bool | None = None
-
-
-@torch._dynamo.assume_constant_result
-def stamping() -> bool:
-    """Whether outlined blocks are stamped out by ``fsdp_compile.stamp`` (NOTE [stamped blocks]); read
-    while Dynamo traces, as a constant of the graph."""
-    if STAMP_REGIONS is None:
-        return not native_region_reuse()
-    return STAMP_REGIONS and not getattr(torch._dynamo.config, "inline_single_use_invoke_subgraph", False)
-
-
-def compile_region(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as a ``torch.compiler.nested_compile_region``: traced once by Dynamo and called as one
-    ``invoke_subgraph`` per call, again traced only where a call's guards differ; a no-op eagerly."""
-    try:
-        return torch.compiler.nested_compile_region(fn, max_reuse_entries=_REGION_TRACES)
-    except TypeError:  # torch 2.11: no cap, no reuse of traces (every call is traced, equal graphs shared)
-        return torch.compiler.nested_compile_region(fn)
 
 
 @contextlib.contextmanager
@@ -380,3 +340,9 @@ def scan_example_values_without_autograd(is_ours: Callable[[], bool]) -> None:
     kernel._fsdp_values_only = True  # type: ignore[attr-defined]
     scan_op.py_kernels[DispatchKey.Autograd] = kernel
     scan_op._dispatch_cache.clear()
+
+
+def restarts_the_trace(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo asking to trace the frame again (``RestartAnalysis`` and its kin,
+    raised through a backend): it must reach Dynamo, never be handled as a failure."""
+    return isinstance(error, torch._dynamo.exc.RestartAnalysis)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ from passes.lower_grouped import lower_grouped_pass
 from passes.prefetch import prefetch_pass
 from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
 from passes.share import share_subgraphs_pass
-from passes.stamp import stamp_out_pass
+from passes.inline import inline_subgraphs_pass
+from passes.outline import outline_blocks_pass
 from passes.unroll import unroll_scans_pass
 from passes.streams import check_streams, streams_pass
 
@@ -63,6 +65,7 @@ from ._compat import (
     make_boxed_func,
     region_schemas_once,
     resolve_group,
+    restarts_the_trace,
     select_decomp_table,
     serializable,
     timed,
@@ -72,13 +75,15 @@ from .collector import defer_full_collections_while_compiling, no_full_collectio
 from .cost import Hardware, detect_hardware, load_hardware
 from .dump import dump, report
 from .logs import log_schedule, schedule_logged
-from .module import OUTLINES
+from .module import OUTLINES, is_outline_candidate
 from .partition import partition
 from .flat import flat_check, is_flat
 from .regions import outer_markers
 from .units import is_sharded
 
 __all__ = ["BackendOptions", "make_backend", "fsdp_backend", "observe_graphs"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -359,7 +364,8 @@ def make_backend(
     def _backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
         with timed("fsdp.outline"):
-            gm = stamp_out_pass(gm)  # NOTE [stamped calls]
+            if options.outlines():
+                gm = outline_blocks_pass(gm, is_block=is_outline_candidate)  # NOTE [outlining by proof]
             gm = unroll_scans_pass(gm)  # NOTE [unrolled stacks]
             gm = outer_markers(gm, example_inputs, keep_bodies=options.outlines())
         gm = inductor_pre_grad_passes(gm, example_inputs)
@@ -368,13 +374,28 @@ def make_backend(
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
-        with region_schemas_once():
-            compiled = (aot_cached if cached else aot_uncached)(gm, example_inputs)
+        compiled = _aot_or_inline(aot_cached if cached else aot_uncached, gm, example_inputs)
         compiled = _checking_flats(compiled, flat_check(example_inputs))  # NOTE [flat shards] in flat.py
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 
     setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]
     return backend
+
+
+def _aot_or_inline(aot: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    """``aot(gm, example_inputs)``; where AOTAutograd cannot take an outlined body, the same graph with
+    every body inlined (exact, as every block was traced inline: NOTE [outlining by proof]), and one
+    INFO line that says why."""
+    try:
+        with region_schemas_once():
+            return aot(gm, example_inputs)
+    except Exception as error:  # noqa: BLE001 (any failure inside a body: fall back, never crash)
+        calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+        if not calls or restarts_the_trace(error):
+            raise
+        log.info("fsdp_backend: outlined blocks could not be compiled as shared bodies (%s: %s); "
+                 "compiling them inline", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+    return aot(inline_subgraphs_pass(gm), example_inputs)
 
 
 def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | None) -> Callable[..., Any]:

@@ -4,22 +4,22 @@ It adds methods only (``set_requires_gradient_sync``); all state lives in the un
 (``units.py``), none on the module. An *outlined* unit's class also compiles its forward once for every
 unit of the same class (NOTE [outlined units]).
 
-NOTE [outlined units]: a deep model is mostly one block repeated. A whole-model graph hands Dynamo,
-AOTAutograd and Inductor one copy of the block's ops per block, so compile time grows with depth. An
-outlined unit's ``forward`` is a ``torch.compiler.nested_compile_region``: Dynamo traces it once
-(torch 2.11's Dynamo traces every call, so there we stamp later alike blocks out of the first one's
-trace: NOTE [stamped blocks] in ``stamp.py``) and emits every block as a call of one
-``invoke_subgraph`` body, which AOTAutograd partitions once and Inductor compiles once. For that, the body's trace must be the same for every block, and the
-``fsdp::unshard`` markers inside it are what differ: each names its unit and parameter. So compiled code
-passes the markers of outlined units without those two (``ShardedParam.traced_args``), and the backend
-fills them in from the shards each call is handed, after it has moved the markers out of the body to
-the call (``passes/hoist.py``). The outer graph then holds every unit's markers, as a whole-model graph
-does, and the passes place all-gathers and reduce-scatters across unit boundaries exactly as before.
+NOTE [outlined units]: a deep model is mostly one block repeated. A whole-model graph hands
+AOTAutograd and Inductor one copy of the block's ops per block, so compile time grows with depth. The
+blocks that ``fully_shard`` marks as outline candidates (their class carries ``OUTLINE_CANDIDATE``) are
+still traced inline by Dynamo, every one of them, so Dynamo's guards are exactly plain
+``torch.compile``'s; the backend then gives the blocks whose traced graphs are the same program one
+``invoke_subgraph`` body, which AOTAutograd partitions once and Inductor compiles once (NOTE
+[outlining by proof] in ``passes/outline.py``). The ``fsdp::unshard`` markers inside a candidate's
+forward carry no unit or parameter name (``ShardedParam.traced_args``), so that alike blocks trace
+alike; the backend moves them out of the body to each call (``passes/hoist.py``) and names them after
+the shards they read. The outer graph then holds every unit's markers, as a whole-model graph does,
+and the passes place all-gathers and reduce-scatters across unit boundaries exactly as before.
 
-Which units: ``fully_shard(..., outline=None)`` (default) outlines a unit that holds no other unit and
-shares its ``forward`` with at least one other such unit (the blocks of a transformer, not its root);
-``outline=True`` or ``False`` decides for that unit. A forward that Dynamo cannot trace whole (a graph
-break inside the block) cannot be a region: shard such blocks with ``outline=False``.
+Which units: ``fully_shard(..., outline=None)`` (default) makes a candidate of a unit that holds no
+other unit and shares its ``forward`` with at least one other such unit (the blocks of a transformer,
+not its root); ``outline=True`` or ``False`` decides for that unit. Being a candidate never changes
+what is computed: only blocks proven alike share a body.
 """
 
 from __future__ import annotations
@@ -30,15 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch._dynamo.comptime import comptime
-
-from . import stamp
-from ._compat import compile_region, stamping, traced_for
+from ._compat import traced_for
 from .accumulate import set_requires_gradient_sync
 from .flat import refresh_flat
 from .units import unit_of
 
-__all__ = ["OUTLINES", "FsdpModule", "mix_in", "forward_of", "outlining"]
+__all__ = ["OUTLINES", "OUTLINE_CANDIDATE", "FsdpModule", "forward_of", "is_outline_candidate", "mix_in", "outlining"]
 
 
 class FsdpModule:
@@ -60,7 +57,9 @@ class FsdpModule:
 
 
 _classes: dict[tuple[type, bool], type] = {}
-_regions: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+# Set on the class ``fully_shard`` mixes into an outline candidate (NOTE [outlined units]).
+OUTLINE_CANDIDATE = "_fsdp_outline_candidate"
 
 
 def _base(cls: type) -> type:
@@ -71,48 +70,20 @@ def _base(cls: type) -> type:
 
 
 def forward_of(module: nn.Module) -> Callable[..., Any]:
-    """The user's ``forward`` function of ``module``'s class (outlined units of one forward share a body)."""
+    """The user's ``forward`` function of ``module``'s class (candidates of one forward may share a body)."""
     return _base(type(module)).forward
 
 
-def _outlined_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` as a compile region when Dynamo traces it for ``fsdp_backend`` (with outlining on),
-    else ``forward`` itself (eagerly, and for other backends: NOTE [regions for our backend only])."""
-    if forward not in _regions:
-        _regions[forward] = compile_region(forward)
-    region = _regions[forward]
-
-    before = stamp.before_call(forward)
-
-    def outlined(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and outlining():
-            if not stamping():
-                return region(self, *args, **kwargs)
-            comptime(before)  # NOTE [stamped blocks]
-            plan = stamp.stamp_plan()
-            if plan is not None:
-                key, positional, places, others, spec = plan
-                own = [*self._fsdp_shards, *stamp.read_own(self, others)]
-                tensors = list(args) if positional else stamp.flat_tensors((args, kwargs), [])
-                flat = stamp.stamped_call(key, tensors, own, places)
-                return stamp.rebuild(spec, flat)
-            out = region(self, *args, **kwargs)
-            comptime(stamp.after_call)
-            return out
-        return forward(self, *args, **kwargs)
-
-    outlined.__name__, outlined.__qualname__, outlined.__doc__ = forward.__name__, forward.__qualname__, forward.__doc__
-    return outlined
+def is_outline_candidate(cls: type) -> bool:
+    """Whether modules of ``cls`` are outline candidates (NOTE [outlined units])."""
+    return bool(getattr(cls, OUTLINE_CANDIDATE, False))
 
 
 @torch._dynamo.assume_constant_result
 def outlining() -> bool:
     """NOTE [regions for our backend only]: whether the graph being traced goes to a backend of
     ``make_backend`` that keeps outlined bodies (and so traces a ``BlockStack``'s blocks once, NOTE
-    [stacked blocks] in ``stack.py``). Other backends get the whole-model graph they always
-    got: torch's Inductor, handed the same regions, computed wrong gradients (torch 2.13, a Llama block
-    as a ``nested_compile_region`` under plain ``torch.compile``, no sharding: 5e-3 off; right with
-    ``reorder_for_peak_memory`` or buffer reuse off), and ``make_backend(outline=False)`` wants none."""
+    [stacked blocks] in ``stack.py``). Other backends get the whole-model graph they always got."""
     return bool(getattr(traced_for(), OUTLINES, False))
 
 
@@ -121,13 +92,11 @@ OUTLINES = "fsdp_compile_outlines"
 
 
 def mix_in(module: nn.Module, *, outlined: bool = False) -> None:
-    """Make ``module`` an instance of ``FsdpModule`` too (one generated class per original class), whose
-    ``forward`` is a compile region when ``outlined``."""
+    """Make ``module`` an instance of ``FsdpModule`` too (one generated class per original class and
+    ``outlined``), marked as an outline candidate when ``outlined`` (NOTE [outlined units])."""
     base = _base(type(module))
     key = (base, outlined)
     if key not in _classes:
-        body: dict[str, Any] = {}
-        if outlined:
-            body["forward"] = _outlined_forward(base.forward)
+        body: dict[str, Any] = {OUTLINE_CANDIDATE: True} if outlined else {}
         _classes[key] = type(f"Fsdp{base.__name__}", (FsdpModule, base), body)
     module.__class__ = _classes[key]

@@ -213,11 +213,11 @@ def absorb_copies_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if len({repr(_signature(i, p)) for i, p in plans}) != 1:
             continue  # the calls differ: leave them
-        body, order = _new_body(getattr(gm, name), *plans[0])
+        body, kept = _new_body(getattr(gm, name), *plans[0])  # (``order`` stays the graph's, for the next body)
         staged = f"{name}_with_copies"
         gm.add_submodule(staged, body)
         for call, (inputs, packs) in zip(calls, plans):
-            _rewrite(gm, call, staged, inputs, packs, order)
+            _rewrite(gm, call, staged, inputs, packs, kept)
         if not gm.graph.find_nodes(op="get_attr", target=name):  # the body keeps its name
             delattr(gm, name)
             gm.add_submodule(name, body)

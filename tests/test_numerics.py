@@ -55,10 +55,8 @@ TWO_RANKS: dict[str, Case] = {
     "llama-sgd": Case(optim="sgd"),
     "accumulate": Case(microbatches=2, steps=4, backend_kw=FX),
     "stacked": Case(model="llama-stacked", optim="adamw", steps=5),  # one BlockStack: NOTE [stacked blocks]
-    # outlined blocks stamped out from the first one's trace, on any torch (NOTE [stamped blocks]); while
-    # accumulating without sync, each read passes its accumulator: the blocks are then traced one by one
-    "stamped": Case(optim="adamw", steps=5, stamp=True),
-    "stamped-no-sync": Case(microbatches=2, steps=3, no_sync=True, backend_kw=FX, stamp=True),
+    # outlined blocks accumulating without sync: each read passes its accumulator (NOTE [outlining by proof])
+    "outlined-no-sync": Case(microbatches=2, steps=3, no_sync=True, backend_kw=FX),
     # a stack accumulating without sync runs its blocks one by one (NOTE [stacked blocks])
     "stacked-no-sync": Case(model="llama-stacked", microbatches=2, steps=3, no_sync=True, backend_kw=FX),
     **{f"schedule-{name}": Case(optim="adamw", steps=5, backend_kw=kw, group_kw=gkw)
@@ -84,10 +82,8 @@ def test_stacked_blocks_match_the_reference(two_ranks: dict[str, list[dict[str, 
     check(two_ranks["stacked"], steps=TWO_RANKS["stacked"].steps)
 
 
-def test_stamped_blocks_match_the_reference(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
-    """Outlined blocks, each after the first stamped out of its trace (NOTE [stamped blocks])."""
-    check(two_ranks["stamped"], steps=TWO_RANKS["stamped"].steps)
-    check(two_ranks["stamped-no-sync"], steps=TWO_RANKS["stamped-no-sync"].steps)
+def test_outlined_blocks_accumulate_without_sync(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    check(two_ranks["outlined-no-sync"], steps=TWO_RANKS["outlined-no-sync"].steps)
 
 
 def test_stacked_blocks_accumulate_without_sync(two_ranks: dict[str, list[dict[str, Any]]]) -> None:

@@ -13,10 +13,10 @@ from torch import fx, nn
 from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, loss_fn
-from fsdp_compile.module import OUTLINES
+from fsdp_compile.module import is_outline_candidate
 from fsdp_compile.schedule import graph_group_labels, group_labels, listing
 from passes.hoist import hoist_unshards_pass
-from passes.stamp import stamp_out_pass
+from passes.outline import outline_blocks_pass
 from passes.inline import inline_subgraphs_pass
 from passes.predicates import UnshardArgs, is_all_gather, is_collective, is_unshard
 
@@ -26,16 +26,14 @@ invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
 
 def dynamo_graph(model: nn.Module, *inputs: torch.Tensor) -> tuple[fx.GraphModule, list[torch.Tensor]]:
-    """The graph Dynamo hands a backend for ``model(*inputs)`` (its stamped calls made calls of their
-    template's body, the backend's first pass), and its example inputs."""
+    """The graph Dynamo hands a backend for ``model(*inputs)`` with alike blocks outlined (the backend's
+    first pass, NOTE [outlining by proof]), and its example inputs."""
     graphs: list[tuple[fx.GraphModule, list[torch.Tensor]]] = []
 
     def keep(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
-        gm = stamp_out_pass(gm)  # stamped blocks' calls as calls of the body (NOTE [stamped calls])
+        gm = outline_blocks_pass(gm, is_block=is_outline_candidate)
         graphs.append((gm, list(example)))
         return gm.forward
-
-    setattr(keep, OUTLINES, True)  # trace as for fsdp_backend (NOTE [regions for our backend only])
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the markers run eagerly here: the slow-path warning
@@ -98,7 +96,7 @@ class OutlineTest(FakeWorldTestCase):
         self.assertEqual([type(b).__name__ for b in model.layers], ["FsdpBlock"] * 3)
         self.assertTrue(all(b.forward.__func__ is model.layers[0].forward.__func__ for b in model.layers))
         self.assertIsNot(type(model).forward, type(model.layers[0]).forward)
-        # A compile region is a no-op eagerly: the model still runs uncompiled.
+        # Being a candidate changes nothing eagerly: the model still runs uncompiled.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.assertEqual(model(torch.randint(0, SMALL.vocab_size, (2, 8))).shape, (2, 8, SMALL.vocab_size))
@@ -160,12 +158,12 @@ class OutlineTest(FakeWorldTestCase):
 0  all_gather      unit 0  ag     all_gather      1120 B
 1  all_gather      unit 1  ag     all_gather      1120 B
 2  wait            unit 0  ag     all_gather
-3  compute         call fw_subgraph_0_0  (5 nodes)
+3  compute         call fw_fsdp_block_0_0  (5 nodes)
 4  all_gather      unit 2  ag     all_gather      1120 B
 5  wait            unit 1  ag     all_gather
-6  compute         call fw_subgraph_0_0  (5 nodes)
+6  compute         call fw_fsdp_block_0_0  (5 nodes)
 7  wait            unit 2  ag     all_gather
-8  compute         call fw_subgraph_0_0  (5 nodes)""")
+8  compute         call fw_fsdp_block_0_0  (5 nodes)""")
         # Backward: every unit is gathered again (the body saved no view of a gathered param), the next
         # unit prefetched under each call, and each reduce-scatter issued right after its call, on the
         # packed gradients the call returns.
@@ -175,15 +173,15 @@ class OutlineTest(FakeWorldTestCase):
 2  pack            unit 1  ag
 3  all_gather      unit 1  ag     all_gather      1024 B
 4  wait            unit 2  ag     all_gather
-5  compute         call bw_subgraph_0_0  (3 nodes)
+5  compute         call bw_fsdp_block_0_0  (3 nodes)
 6  reduce_scatter  unit 2  rs     reduce_scatter  1120 B
 7  pack            unit 0  ag
 8  all_gather      unit 0  ag     all_gather      1024 B
 9  wait            unit 1  ag     all_gather
-10 compute         call bw_subgraph_0_0  (3 nodes)
+10 compute         call bw_fsdp_block_0_0  (3 nodes)
 11 reduce_scatter  unit 1  rs     reduce_scatter  1120 B
 12 wait            unit 0  ag     all_gather
-13 compute         call bw_subgraph_0_0  (3 nodes)
+13 compute         call bw_fsdp_block_0_0  (3 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 reduce_scatter  unit 0  rs     reduce_scatter  1120 B

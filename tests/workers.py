@@ -7,9 +7,7 @@ compare.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +18,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import _world
 
-from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, _compat, fully_shard, make_backend
+from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
 from fsdp_compile.sharding import _cast_hooks
 from fsdp_compile.models import ModelConfig, Transformer, loss_fn
 from fsdp_compile.stack import BlockStack
@@ -150,7 +148,6 @@ class Case:
     no_sync: bool = False  # all microbatches but the last run with set_requires_gradient_sync(False)
     count_collectives: bool = False  # profile each step to count its reduce-scatters (slower)
     mesh: tuple[int, int] | None = None  # HSDP: a (replicate, shard) DeviceMesh instead of WORLD
-    stamp: bool | None = None  # stamp out outlined blocks (NOTE [stamped blocks]); None: this torch's default
 
     def build(self) -> nn.Module:
         torch.manual_seed(0)
@@ -268,29 +265,8 @@ def ref_slice(full: Tensor, rank: int, world: int) -> Tensor:
     return padded[rank * rows:(rank + 1) * rows]
 
 
-@contextlib.contextmanager
-def force_stamping(on: bool | None = True) -> Iterator[None]:
-    """Outlined blocks stamped out (``on``), traced every one (``False``) or this torch's default (``None``),
-    on any torch (NOTE [stamped blocks]; torch 2.13's Dynamo would inline a template called once)."""
-    inline = getattr(torch._dynamo.config, "inline_single_use_invoke_subgraph", None)
-    _compat.STAMP_REGIONS = on
-    if inline is not None and on:
-        torch._dynamo.config.inline_single_use_invoke_subgraph = False
-    try:
-        yield
-    finally:
-        _compat.STAMP_REGIONS = None
-        if inline is not None:
-            torch._dynamo.config.inline_single_use_invoke_subgraph = inline
-
-
 def train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
     """Train ``case`` sharded on this rank's slice of every global batch; also run the reference."""
-    with force_stamping(case.stamp):
-        return _train_case(rank, world, case)
-
-
-def _train_case(rank: int, world: int, case: Case) -> dict[str, Any]:
     batches = make_batches(case, world)
     if case.mesh is not None:
         mesh = init_device_mesh(case.device, case.mesh, mesh_dim_names=("replicate", "shard"))

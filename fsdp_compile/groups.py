@@ -45,7 +45,9 @@ class FsdpGroups:
 
     Build it once per process with :meth:`create` and pass it to every ``fully_shard`` call; however
     many models share it, it holds two groups (one when ``dedicated="none"``), plus the replicate group
-    of a 2-D mesh. Call :meth:`destroy` to release the groups it created.
+    of a 2-D mesh. Call :meth:`destroy` to release the groups it created. On a real process group,
+    :meth:`create` also starts this rank's heartbeat and installs a ``sys.excepthook`` and an ``atexit``
+    note for the cross-rank checks; the last :meth:`destroy` ends them (NOTE [peers]).
     """
 
     all_gather: ProcessGroup
@@ -121,7 +123,8 @@ class FsdpGroups:
         return 1 if self.replicate is None else self.replicate.size()
 
     def destroy(self) -> None:
-        """Destroy the groups this object created (not WORLD, not a mesh's own groups)."""
+        """Destroy the groups this object created (not WORLD, not a mesh's own groups), and release its
+        share of the heartbeat and hooks (NOTE [peers])."""
         for pg in self._owned:
             dist.destroy_process_group(pg)
         self._owned.clear()

@@ -37,6 +37,21 @@ def _signature(val: object) -> object:
     return val
 
 
+def _reusable_key(cache_key: Hashable | None, vals: Sequence[object]) -> Hashable | None:
+    """The key of a trace of ``fn`` on ``vals``, or ``None`` where it must not be reused: symbolic sizes
+    (``torch.compile(dynamic=True)``: a ``SymInt`` is no key, and its trace holds the graph's symbols)."""
+    if cache_key is None:
+        return None
+    key = (cache_key, tuple(_signature(v) for v in vals))
+    return None if _symbolic(key) else key
+
+
+def _symbolic(value: object) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_symbolic(v) for v in value)
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
 def splice(
     graph: fx.Graph,
     fn: Callable[..., object],
@@ -57,7 +72,7 @@ def splice(
     vals = [n.meta["val"] for n in inputs]
     mode = _fake_mode(vals)
     ctx = mode if mode is not None else contextlib.nullcontext()
-    key = None if cache_key is None else (cache_key, tuple(_signature(v) for v in vals))
+    key = _reusable_key(cache_key, vals)
     traced = _traces.get(key) if key is not None else None
     reused = traced is not None
     if traced is None:

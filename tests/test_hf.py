@@ -1,5 +1,5 @@
 """Hugging Face ``transformers`` decoders, unchanged, train with ``fsdp_backend`` (small configs, no
-downloads): Llama, and GPT-2 whose output head is tied to its input embedding. Both run in one spawn,
+downloads): Llama, GPT-2 whose output head is tied to its input embedding, and Mistral. Both run in one spawn,
 their scheduled graphs without Inductor: what is checked is that Dynamo, the sharding and the passes
 take these models as they are (tests/test_numerics.py covers Inductor)."""
 
@@ -18,7 +18,7 @@ from .workers import TINY, Case, HuggingFace, train_cases
 
 pytest.importorskip("transformers")
 
-MODELS = ["hf-llama", "hf-gpt2"]
+MODELS = ["hf-llama", "hf-gpt2", "hf-mistral"]  # Mistral: a sliding window shorter than the sequence
 
 
 @pytest.fixture(scope="module")

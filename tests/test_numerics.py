@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fsdp_compile.launch import run_ranks
-from .workers import Case, train_case, train_cases
+from .workers import TINY, Case, train_case, train_cases
 
 RTOL = 1e-5
 
@@ -55,6 +55,8 @@ TWO_RANKS: dict[str, Case] = {
     "llama-sgd": Case(optim="sgd"),
     "accumulate": Case(microbatches=2, steps=4, backend_kw=FX),
     "stacked": Case(model="llama-stacked", optim="adamw", steps=5),  # one BlockStack: NOTE [stacked blocks]
+    # blocks of one class with two feed-forward classes: two outlined bodies (NOTE [outlining by proof])
+    "alternating": Case(model="llama-alternating", cfg=TINY.with_(n_layers=4), optim="adamw", steps=3),
     # outlined blocks accumulating without sync: each read passes its accumulator (NOTE [outlining by proof])
     "outlined-no-sync": Case(microbatches=2, steps=3, no_sync=True, backend_kw=FX),
     # a stack accumulating without sync runs its blocks one by one (NOTE [stacked blocks])
@@ -80,6 +82,10 @@ def test_stacked_blocks_match_the_reference(two_ranks: dict[str, list[dict[str, 
     """One BlockStack of the blocks, traced once and compiled by Inductor as calls of one body (NOTE
     [stacked blocks])."""
     check(two_ranks["stacked"], steps=TWO_RANKS["stacked"].steps)
+
+
+def test_blocks_that_alternate_two_classes_match_the_reference(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    check(two_ranks["alternating"], steps=TWO_RANKS["alternating"].steps)
 
 
 def test_outlined_blocks_accumulate_without_sync(two_ranks: dict[str, list[dict[str, Any]]]) -> None:

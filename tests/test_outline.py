@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import warnings
 
+import pytest
 import torch
 from torch import fx, nn
 
@@ -20,6 +21,7 @@ from passes.outline import outline_blocks_pass
 from passes.inline import inline_subgraphs_pass
 from passes.predicates import UnshardArgs, is_all_gather, is_collective, is_unshard
 
+from .workers import MODELS, TINY
 from .graph_utils import SMALL, FakeWorldTestCase, ThreeUnits, capture, gathered_values, shard_blocks_then_root
 
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
@@ -305,3 +307,19 @@ def test_what_reads_as_a_view_comes_from_the_op_schema() -> None:
               torch.ops._c10d_functional.wait_tensor.default, torch.ops.fsdp.unshard.default]
     assert [op for op in views if not _reads_as_view(op)] == []
     assert [op for op in others if _reads_as_view(op)] == []
+
+
+@pytest.mark.parametrize(("name", "calls"), [("llama", [4]), ("llama-alternating", [2, 2]), ("hf-mistral", [4])])
+def test_which_blocks_share_a_body(fake_world: int, name: str, calls: list[int]) -> None:
+    """NOTE [outlining by proof]: alike blocks share one body, in forward and backward; blocks of one
+    class whose feed-forward classes alternate get two; Hugging Face Mistral's blocks (a sliding window
+    shorter than the sequence) one."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = shard_blocks_then_root(MODELS[name](TINY.with_(n_layers=4)), FsdpGroups.create())
+    graphs = capture(model, torch.randint(0, TINY.vocab_size, (2, 8)))
+    for kind in ("forward", "backward"):
+        per_body: dict[str, int] = {}
+        for call in graphs[kind].graph.find_nodes(op="call_function", target=invoke_subgraph):
+            per_body[call.args[1]] = per_body.get(call.args[1], 0) + 1
+        assert sorted(per_body.values()) == calls, kind

@@ -20,7 +20,7 @@ from torch.distributed.distributed_c10d import _world
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
 from fsdp_compile.sharding import _cast_hooks
-from fsdp_compile.models import ModelConfig, Transformer, loss_fn
+from fsdp_compile.models import FeedForward, ModelConfig, Transformer, loss_fn
 from fsdp_compile.stack import BlockStack
 from fsdp_compile.sharding import unit_of
 
@@ -98,6 +98,14 @@ class HuggingFace(nn.Module):
             )
             self.hf = transformers.LlamaForCausalLM(config)
             self.layers = self.hf.model.layers
+        elif kind == "mistral":  # a sliding window shorter than the sequence (masks built per call)
+            config = transformers.MistralConfig(
+                vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads // 2,
+                max_position_embeddings=cfg.max_seq_len, sliding_window=4, attn_implementation="sdpa",
+            )
+            self.hf = transformers.MistralForCausalLM(config)
+            self.layers = self.hf.model.layers
         else:
             config = transformers.GPT2Config(
                 vocab_size=cfg.vocab_size, n_embd=cfg.dim, n_layer=cfg.n_layers, n_head=cfg.n_heads,
@@ -109,6 +117,23 @@ class HuggingFace(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.hf(input_ids=tokens).logits
+
+
+class GatedFeedForward(FeedForward):
+    """``FeedForward``'s parameters (names and shapes), another computation: the dense and expert layers
+    of one decoder-layer class (DeepSeek, Qwen-MoE, Llama 4, Jamba)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(torch.sigmoid(self.w1(x)) * self.w3(x))
+
+
+def alternating_llama(cfg: ModelConfig) -> Transformer:
+    """The Llama with every second block's feed-forward a ``GatedFeedForward``: blocks of one class that
+    are not alike (two outlined bodies, NOTE [outlining by proof])."""
+    model = Transformer(cfg)
+    for block in model.layers[1::2]:
+        block.ffn = GatedFeedForward(cfg)  # type: ignore[union-attr]
+    return model
 
 
 def stacked_llama(cfg: ModelConfig) -> Transformer:
@@ -125,6 +150,8 @@ MODELS = {
     "llama-break": BrokenLlama,
     "hf-llama": lambda cfg: HuggingFace("llama", cfg),
     "hf-gpt2": lambda cfg: HuggingFace("gpt2", cfg),
+    "hf-mistral": lambda cfg: HuggingFace("mistral", cfg),
+    "llama-alternating": alternating_llama,
 }
 
 

@@ -43,8 +43,6 @@ from .units import ShardedParam, Unit, _units
 
 __all__ = ["BlockStack", "add_sharded_block", "check_stacks_sharded", "stack_of"]
 
-scan_example_values_without_autograd(outlining)  # NOTE [scan example values] in _compat.py
-
 # Block -> the stack holding it (weakly both ways: the stack holds its blocks).
 _stacks: weakref.WeakKeyDictionary[nn.Module, weakref.ref[BlockStack]] = weakref.WeakKeyDictionary()
 
@@ -70,6 +68,9 @@ class BlockStack(nn.ModuleList):
     def __init__(self, blocks: Iterable[nn.Module], *, ignore_attributes: Iterable[str] = ()) -> None:
         blocks = list(blocks)
         _check_alike(blocks, frozenset(ignore_attributes))
+        # NOTE [scan example values] in _compat.py: torch's scan kernel wrapped, once, from the first stack
+        # made (a process that makes none keeps torch's kernel untouched)
+        scan_example_values_without_autograd(outlining)
         super().__init__()
         nn.ModuleList.extend(self, blocks)  # (the stack's own extend refuses: its blocks are fixed)
         first = blocks[0]

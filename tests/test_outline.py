@@ -323,3 +323,23 @@ def test_which_blocks_share_a_body(fake_world: int, name: str, calls: list[int])
         for call in graphs[kind].graph.find_nodes(op="call_function", target=invoke_subgraph):
             per_body[call.args[1]] = per_body.get(call.args[1], 0) + 1
         assert sorted(per_body.values()) == calls, kind
+
+
+def test_bodies_that_fail_to_compile_fall_back_inline(fake_world: int, caplog: pytest.LogCaptureFixture) -> None:
+    """NOTE [outlining by proof]: where AOTAutograd cannot take the shared bodies, the graph is compiled
+    with every block inline, with one INFO line, never a crash."""
+    import contextlib
+    from unittest import mock
+
+    @contextlib.contextmanager
+    def failing() -> object:
+        raise RuntimeError("a body AOTAutograd cannot take")
+        yield  # pragma: no cover
+
+    torch.manual_seed(0)
+    model = shard_blocks_then_root(Mlp(4), FsdpGroups.create())
+    with mock.patch("fsdp_compile.backend.region_schemas_once", failing), caplog.at_level("INFO", "fsdp_compile"):
+        graphs = capture(model, torch.randn(4, 8, requires_grad=True))
+    assert calls(graphs["forward"]) == [] and calls(graphs["backward"]) == []
+    lines = [r.getMessage() for r in caplog.records if "compiling them inline" in r.getMessage()]
+    assert len(lines) == 1 and "a body AOTAutograd cannot take" in lines[0]

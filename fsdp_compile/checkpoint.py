@@ -16,203 +16,111 @@ chunking, so DCP reshards to any world size. Buffers and params no unit manages 
     dcp.load(sd, checkpoint_id=path)  # fills the dicts in place
     set_model_state_dict(model, sd["model"]); set_optimizer_state_dict(model, opt, sd["optim"])
 
+Full state dicts take torch's ``StateDictOptions`` (same signatures as
+``torch.distributed.checkpoint.state_dict``, so FSDP2 code runs unchanged): export with
+``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` (rank 0
+gets full CPU tensors, the others ``{}``), and load what rank 0 alone read with
+``set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``
+(the others pass ``{}``; NOTE [rank-0 broadcast] in ``full_state.py``).
+
 The ``get_*`` functions may run collectives (a 0-d param is broadcast, full params are gathered, an
 HSDP mesh is built once per ``FsdpGroups``): call them on every rank, in the same order.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .groups import FsdpGroups
-from .ops import shard_rows
-from .sharding import ShardedParam, unit_of
+from .full_state import broadcast_full_state_dict, full_state_dict
+from .state_layout import Entry, few, layout, to_dtensor, to_padded, unwrap
 
-__all__ = ["get_full_model_state_dict", "get_model_state_dict", "get_optimizer_state_dict", "set_model_state_dict",
-           "set_optimizer_state_dict"]
-
-
-# --- Layout: the distinct tensors of a model's state dict and their user-facing names ---
-
-
-@dataclass(eq=False)
-class _Entry:
-    """One distinct tensor of the model's state dict: every name it has and, if sharded, its param."""
-
-    tensor: Tensor
-    param: ShardedParam | None
-    names: list[str] = field(default_factory=list)  # user names, the first one canonical
-    raw_keys: list[str] = field(default_factory=list)  # the same, as ``model.state_dict()`` spells them
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module itself, not ``torch.compile``'s wrapper (whose keys start with ``_orig_mod.``)."""
-    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        model = model._orig_mod
-    return model
-
-
-def _layout(model: nn.Module, caller: str) -> tuple[list[_Entry], list[tuple[str, _Entry]]]:
-    """The entries, and (name, entry) for every name (aliases included) in unsharded ``state_dict()`` order."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{caller}: expected the sharded nn.Module, got {type(model).__name__}.")
-    model = _unwrap(model)
-    managed = {id(sp.shard): sp for m in model.modules() if (u := unit_of(m)) is not None for sp in u.params}
-    if not managed:
-        raise ValueError(
-            f"{caller}: {type(model).__name__} has no fully_shard units; call fully_shard(block, groups=groups) "
-            "on its blocks and then fully_shard(model, groups=groups) before checkpointing (an unsharded "
-            "model needs no conversion: use model.state_dict() / load_state_dict())."
-        )
-    entries: dict[int, _Entry] = {}
-    order: list[tuple[str, _Entry]] = []
-    for raw_key, tensor in model.state_dict(keep_vars=True).items():
-        sp = managed.get(id(tensor))
-        name = raw_key
-        if sp is not None:  # a.b.parametrizations.weight.original -> a.b.weight
-            parts = raw_key.split(".")
-            assert parts[-3:][::2] == ["parametrizations", "original"], raw_key
-            name = ".".join(parts[:-3] + [parts[-2]])
-        entry = entries.setdefault(id(tensor), _Entry(tensor, sp))
-        entry.names.append(name)
-        entry.raw_keys.append(raw_key)
-        order.append((name, entry))
-    # state_dict() walks modules in pre-order, each one's params before its buffers; parametrize moved
-    # sharded params into a ``parametrizations`` child, after the buffers. Sort back (stably).
-    module_index: dict[str, int] = {}
-    for path, _ in model.named_modules(remove_duplicate=False):
-        module_index.setdefault(path, len(module_index))
-
-    def position(item: tuple[str, _Entry]) -> tuple[int, int]:
-        path = item[0].rsplit(".", 1)[0] if "." in item[0] else ""
-        return module_index.get(path, len(module_index)), 0 if isinstance(item[1].tensor, nn.Parameter) else 1
-
-    return list(entries.values()), sorted(order, key=position)
-
-
-# --- Shards <-> DTensors ---
-
-_meshes: weakref.WeakKeyDictionary[FsdpGroups, dict[str, DeviceMesh]] = weakref.WeakKeyDictionary()
-
-
-def _mesh(groups: FsdpGroups, device_type: str) -> DeviceMesh:
-    """The mesh DTensors of ``groups``' params live on: 1-D (shard), or 2-D (replicate, shard) for HSDP."""
-    per_device = _meshes.setdefault(groups, {})
-    if device_type in per_device:
-        return per_device[device_type]
-    if groups.replicate is None:
-        mesh = DeviceMesh.from_group(groups.all_gather, device_type, mesh_dim_names=("shard",))
-    else:  # row i of the mesh is the shard group of replica i: collect the rows over the replicate group
-        rows: list[Any] = [None] * groups.replicate_size
-        dist.all_gather_object(rows, dist.get_process_group_ranks(groups.all_gather), group=groups.replicate)
-        mesh = DeviceMesh.from_group([groups.replicate, groups.all_gather], device_type, mesh=torch.tensor(rows),
-                                     mesh_dim_names=("replicate", "shard"))
-    per_device[device_type] = mesh
-    return mesh
-
-
-def _row_range(sp: ShardedParam) -> tuple[int, int]:
-    """``[start, stop)``: the real (unpadded) rows of the full param that this rank's shard holds."""
-    n = sp.full_shape[0] if sp.full_shape else 1
-    rows = shard_rows(n, sp.unit.groups.shard_size)
-    start = min(sp.unit.groups.all_gather.rank() * rows, n)
-    return start, min(start + rows, n)
-
-
-def _to_dtensor(sp: ShardedParam, padded: Tensor) -> DTensor:
-    """A DTensor of ``sp.full_shape`` from a tensor shaped like ``sp``'s padded shard (param or state)."""
-    groups = sp.unit.groups
-    mesh = _mesh(groups, padded.device.type)
-    padded = padded.detach()
-    if not sp.full_shape:
-        # A 0-d param is one row on group rank 0 (zeros elsewhere), and a 0-d tensor cannot be
-        # Shard(0): give every rank the value and call it replicated.
-        value = padded[:1].clone()
-        if groups.shard_size > 1:
-            dist.broadcast(value, group=groups.all_gather, group_src=0)
-        local, placements = value.reshape(()), [Replicate()] * mesh.ndim
-    else:
-        start, stop = _row_range(sp)
-        local, placements = padded[: stop - start], [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-    return DTensor.from_local(
-        local, mesh, placements, run_check=False,
-        shape=torch.Size(sp.full_shape), stride=torch.empty(sp.full_shape, device="meta").stride(),
-    )
-
-
-def _to_padded(sp: ShardedParam, value: Tensor, name: str) -> Tensor:
-    """This rank's zero-padded shard of ``value``: a DTensor laid out as ``_to_dtensor`` makes it, or a
-    plain tensor of the full shape."""
-    full = torch.Size(sp.full_shape)
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name}: expected a tensor of shape {tuple(full)}, got {type(value).__name__}.")
-    if value.shape != full:
-        raise ValueError(
-            f"{name}: the state dict holds shape {tuple(value.shape)} but the model's parameter has shape "
-            f"{tuple(full)}; the checkpoint comes from a different model: build it with the config it was saved with."
-        )
-    start, stop = _row_range(sp)
-    if isinstance(value, DTensor):
-        if not full:  # replicated (a 0-d DTensor cannot be sharded)
-            local = value.to_local().reshape(1)[start:stop]
-        else:
-            want = ((stop - start, *full[1:]), (start,) + (0,) * (len(full) - 1))
-            got = compute_local_shape_and_global_offset(full, value.device_mesh, value.placements)
-            if (tuple(got[0]), tuple(got[1])) != want:
-                raise ValueError(
-                    f"{name}: the DTensor's local part is rows at offset {got[1]} of shape {got[0]}, but this "
-                    f"rank holds {want[0]} at offset {want[1]}; load into the dict that get_model_state_dict / "
-                    "get_optimizer_state_dict returned for this model (dcp.load reshards into it), or pass "
-                    "plain full tensors."
-                )
-            local = value.to_local()
-    else:
-        local = value.reshape(1)[start:stop] if not full else value[start:stop]
-    out = torch.zeros(sp.shard.shape, dtype=sp.shard.dtype, device=sp.shard.device)
-    out[: local.shape[0]].copy_(local)
-    return out
+__all__ = ["StateDictOptions", "get_full_model_state_dict", "get_model_state_dict", "get_optimizer_state_dict",
+           "set_model_state_dict", "set_optimizer_state_dict"]
 
 
 # --- Model ---
 
 
-def get_model_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The model's state dict under the user's names, for ``dcp.save`` / ``dcp.load``.
+def get_model_state_dict(model: nn.Module, *, submodules: set[nn.Module] | None = None,
+                         options: StateDictOptions | None = None) -> dict[str, Tensor]:
+    """The model's state dict under the user's names, as ``torch.distributed.checkpoint.state_dict``'s
+    function of this name gives it for FSDP2.
 
-    Sharded params are DTensors of their full shape whose local part is a view of this rank's unpadded
-    shard rows (call :func:`set_model_state_dict` after ``dcp.load`` all the same). Persistent buffers
-    and params no unit manages are plain tensors. A tensor with several names (a module used twice, a
-    shared param) appears under each, as in ``nn.Module.state_dict()``.
+    By default, for ``dcp.save`` / ``dcp.load``: sharded params are DTensors of their full shape whose
+    local part is a view of this rank's unpadded shard rows (call :func:`set_model_state_dict` after
+    ``dcp.load`` all the same). With ``options=StateDictOptions(full_state_dict=True)``: plain full
+    tensors (for export), gathered one at a time; with ``cpu_offload=True`` too, on the CPU and on global
+    rank 0 alone (the others get ``{}``). ``ignore_frozen_params`` leaves out parameters that do not
+    require grad; ``submodules`` keeps only the entries of those modules (``keep_submodule_prefixes``).
+    Persistent buffers and params no unit manages are plain tensors. A tensor with several names (a
+    module used twice, a shared param) appears under each, as in ``nn.Module.state_dict()``.
     """
-    entries, order = _layout(model, "get_model_state_dict")
-    values = {id(e): _to_dtensor(e.param, e.tensor) if e.param is not None else e.tensor.detach() for e in entries}
+    options = _options(options, "get_model_state_dict")
+    entries, order = layout(model, "get_model_state_dict")
+    order = _select(model, order, submodules, options)
+    if options.full_state_dict:
+        return full_state_dict(entries, order, rank0_only=options.cpu_offload, cpu_offload=options.cpu_offload)
+    values = {id(e): to_dtensor(e.param, e.tensor) if e.param is not None else e.tensor.detach()
+              for e in {id(e): e for _, e in order}.values()}
     return {name: values[id(e)] for name, e in order}
 
 
+def _options(options: StateDictOptions | None, caller: str) -> StateDictOptions:
+    if options is None:
+        return StateDictOptions()
+    if not isinstance(options, StateDictOptions):
+        raise TypeError(f"{caller}: options must be a torch.distributed.checkpoint.state_dict.StateDictOptions, got "
+                        f"{type(options).__name__}.")
+    if options.broadcast_from_rank0 and not options.full_state_dict:
+        raise ValueError(f"{caller}: broadcast_from_rank0=True needs full_state_dict=True (rank 0 holds full tensors).")
+    if options.cpu_offload and not options.full_state_dict:
+        raise NotImplementedError(f"{caller}: cpu_offload=True is supported with full_state_dict=True only; the "
+                                  "sharded dict's DTensors stay on the model's device.")
+    return options
+
+
+def _select(model: nn.Module, order: list[tuple[str, Entry]], submodules: set[nn.Module] | None,
+            options: StateDictOptions) -> list[tuple[str, Entry]]:
+    """``order`` without frozen params (``ignore_frozen_params``), and only under ``submodules``."""
+    if options.ignore_frozen_params:
+        order = [(n, e) for n, e in order if not (isinstance(e.tensor, nn.Parameter) and not e.tensor.requires_grad)]
+    if submodules is None:
+        return order
+    prefixes = [f"{name}." for name, m in unwrap(model).named_modules() if m in submodules]
+    kept = [(n, e, next((p for p in prefixes if n.startswith(p)), None)) for n, e in order]
+    return [(n if options.keep_submodule_prefixes else n[len(p):], e) for n, e, p in kept if p is not None]
+
+
 def set_model_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Tensor], *, strict: bool = True
+    model: nn.Module, model_state_dict: Mapping[str, Tensor], *, options: StateDictOptions | None = None,
+    strict: bool | None = None,
 ) -> _IncompatibleKeys:
-    """Load ``state_dict`` (as :func:`get_model_state_dict` returns, or full plain tensors) into ``model``.
+    """Load ``model_state_dict`` (as :func:`get_model_state_dict` returns, or full plain tensors) into
+    ``model``, as ``torch.distributed.checkpoint.state_dict``'s function of this name does for FSDP2.
 
     Sharded params take this rank's rows, re-padded with zeros. A tensor with several names (aliases)
-    needs only one of them. With ``strict`` (default) missing or unknown names raise; otherwise they
-    are skipped and returned as ``(missing_keys, unexpected_keys)``.
+    needs only one of them. With ``options=StateDictOptions(full_state_dict=True,
+    broadcast_from_rank0=True)`` global rank 0 holds the full state dict and the others pass ``{}``: each
+    tensor is broadcast alone and each rank keeps its rows (NOTE [rank-0 broadcast] in ``full_state.py``;
+    collective). With ``options.strict`` (default; ``strict=`` overrides it) missing or unknown names
+    raise; otherwise they are skipped and returned as ``(missing_keys, unexpected_keys)``.
     """
+    state_dict = model_state_dict
+    options = _options(options, "set_model_state_dict")
+    strict = options.strict if strict is None else strict
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"set_model_state_dict: state_dict must be a mapping of names to tensors, got "
                         f"{type(state_dict).__name__}.")
-    entries, order = _layout(model, "set_model_state_dict")
+    if options.broadcast_from_rank0:
+        return broadcast_full_state_dict(model, state_dict, strict)
+    entries, order = layout(model, "set_model_state_dict")
     known = {name for name, _ in order}
     unexpected = [k for k in state_dict if k not in known]
     missing: list[str] = []
@@ -224,29 +132,18 @@ def set_model_state_dict(
             continue
         value = state_dict[name]
         if e.param is not None:
-            value = _to_padded(e.param, value, f"set_model_state_dict: {name!r}")
+            value = to_padded(e.param, value, f"set_model_state_dict: {name!r}")
         elif isinstance(value, DTensor):
             raise TypeError(f"set_model_state_dict: {name!r} is a DTensor but the model keeps it unsharded (a buffer "
                             "or a param no fully_shard unit manages); pass a plain tensor (get_model_state_dict's).")
         for raw_key in e.raw_keys:
             raw[raw_key] = value
     if strict and (missing or unexpected):
-        raise ValueError(f"set_model_state_dict: missing keys {_few(missing)}, unexpected keys {_few(unexpected)}. "
+        raise ValueError(f"set_model_state_dict: missing keys {few(missing)}, unexpected keys {few(unexpected)}. "
                          "Fill the dict get_model_state_dict(model) returns (dcp.load(sd, ...) does), or pass "
                          "strict=False to load a partial state dict.")
-    _unwrap(model).load_state_dict(raw, strict=strict)
+    unwrap(model).load_state_dict(raw, strict=strict)
     return _IncompatibleKeys(missing, unexpected)
-
-
-def _gather(sp: ShardedParam) -> Tensor:
-    """The full parameter (unpadded) from every rank's shard; collective over the all-gather group."""
-    groups, padded = sp.unit.groups, sp.shard.detach().contiguous()
-    if groups.shard_size > 1:
-        shard, padded = padded, padded.new_empty(padded.shape[0] * groups.shard_size, *padded.shape[1:])
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the old name is deprecated
-        gather(padded, shard, group=groups.all_gather)
-    n = sp.full_shape[0] if sp.full_shape else 1
-    return padded[:n].reshape(sp.full_shape).clone()
 
 
 def get_full_model_state_dict(
@@ -258,14 +155,8 @@ def get_full_model_state_dict(
     gets the tensors, the others ``{}``; ``cpu_offload`` moves them to the CPU. Buffers and unmanaged
     params are the live tensors (detached), as in ``state_dict()``: clone them to keep a snapshot.
     """
-    entries, order = _layout(model, "get_full_model_state_dict")
-    keep = not rank0_only or dist.get_rank() == 0
-    values: dict[int, Tensor] = {}
-    for e in entries:
-        value = _gather(e.param) if e.param is not None else e.tensor.detach()
-        if keep:
-            values[id(e)] = value.cpu() if cpu_offload else value
-    return {name: values[id(e)] for name, e in order} if keep else {}
+    entries, order = layout(model, "get_full_model_state_dict")
+    return full_state_dict(entries, order, rank0_only=rank0_only, cpu_offload=cpu_offload)
 
 
 # --- Optimizer ---
@@ -289,11 +180,11 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
-def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer, caller: str) -> list[list[_Entry]]:
+def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer, caller: str) -> list[list[Entry]]:
     """Per param group of ``optimizer``, each param's entry (``entry.names[0]`` names it)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{caller}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    by_tensor = {id(e.tensor): e for e in _layout(model, caller)[0]}
+    by_tensor = {id(e.tensor): e for e in layout(model, caller)[0]}
     for p in (p for g in optimizer.param_groups for p in g["params"] if id(p) not in by_tensor):
         raise ValueError(
             f"{caller}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the model's; "
@@ -302,14 +193,17 @@ def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer, calle
     return [[by_tensor[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
-def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                             options: StateDictOptions | None = None) -> dict[str, Any]:
     """The optimizer's state keyed by param names: ``{"state": {fqn: {...}}, "param_groups": [...]}``.
+    ``options``: torch's, for the sharded (DCP) dict only (``full_state_dict`` is not supported here).
 
     State tensors shaped like a sharded param's shard (Adam's moments, SGD's momentum) become DTensors
     of the full shape, as in :func:`get_model_state_dict`; scalars (``step``) are kept as they are.
     A fresh optimizer gets its state created first (a step at learning rate 0 with zero grads), so
     that the dict can be handed to ``dcp.load``.
     """
+    _sharded_only(options, "get_optimizer_state_dict")
     groups = _optimizer_entries(model, optimizer, "get_optimizer_state_dict")
     if not optimizer.state:
         _init_optimizer_state(optimizer)
@@ -327,7 +221,13 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     return {"state": state, "param_groups": param_groups}
 
 
-def _state_out(entry: _Entry, key: str, value: Any) -> Any:
+def _sharded_only(options: StateDictOptions | None, caller: str) -> None:
+    if _options(options, caller).full_state_dict:
+        raise NotImplementedError(f"{caller}: full_state_dict=True is not supported for optimizer state; save and load "
+                                  "it sharded with dcp.save / dcp.load (any world size).")
+
+
+def _state_out(entry: Entry, key: str, value: Any) -> Any:
     sp = entry.param
     if sp is None or not isinstance(value, Tensor) or value.dim() == 0:
         return value
@@ -337,11 +237,12 @@ def _state_out(entry: _Entry, key: str, value: Any) -> Any:
             f"neither the shard's {tuple(sp.shard.shape)} nor a scalar; only element-wise optimizer state (SGD, "
             "Adam, AdamW, ...) can be resharded."
         )
-    return _to_dtensor(sp, value)
+    return to_dtensor(sp, value)
 
 
 def set_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], *,
+    options: StateDictOptions | None = None,
 ) -> None:
     """Load an optimizer state dict keyed by param names (as :func:`get_optimizer_state_dict` returns).
 
@@ -350,8 +251,9 @@ def set_optimizer_state_dict(
     groups must hold the same params as when saved. Params without saved state get none.
     """
     caller = "set_optimizer_state_dict"
+    _sharded_only(options, caller)
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        got = f"keys {_few(list(state_dict))}" if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        got = f"keys {few(list(state_dict))}" if isinstance(state_dict, Mapping) else type(state_dict).__name__
         raise TypeError(f"{caller}: expected a dict with 'state' and 'param_groups' (from get_optimizer_state_dict), "
                         f"got {got}.")
     groups = _optimizer_entries(model, optimizer, caller)
@@ -361,10 +263,10 @@ def set_optimizer_state_dict(
     if len(saved_groups) != len(groups) or unexpected or any(
         sorted(names) != sorted(saved["params"]) for names, saved in zip(ours, saved_groups)
     ):
-        theirs = " | ".join(_few(list(g["params"])) for g in saved_groups)
+        theirs = " | ".join(few(list(g["params"])) for g in saved_groups)
         raise ValueError(
-            f"{caller}: the optimizer's {len(groups)} param groups hold {' | '.join(_few(n) for n in ours)}, the "
-            f"saved {len(saved_groups)} hold {theirs} (state for params the optimizer lacks: {_few(unexpected)}); "
+            f"{caller}: the optimizer's {len(groups)} param groups hold {' | '.join(few(n) for n in ours)}, the "
+            f"saved {len(saved_groups)} hold {theirs} (state for params the optimizer lacks: {few(unexpected)}); "
             "build it with the same params and groups as the saved one."
         )
     torch_state: dict[int, dict[str, Any]] = {}
@@ -380,19 +282,14 @@ def set_optimizer_state_dict(
     optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
 
 
-def _state_in(entry: _Entry, key: str, value: Any) -> Any:
+def _state_in(entry: Entry, key: str, value: Any) -> Any:
     if not isinstance(value, Tensor):
         return value
     if entry.param is not None and (isinstance(value, DTensor) or value.dim() > 0):
-        return _to_padded(entry.param, value, f"set_optimizer_state_dict: state {key!r} of {entry.names[0]!r}")
+        return to_padded(entry.param, value, f"set_optimizer_state_dict: state {key!r} of {entry.names[0]!r}")
     if isinstance(value, DTensor):
         raise TypeError(
             f"set_optimizer_state_dict: state {key!r} of {entry.names[0]!r} is a DTensor but the param is not "
             "sharded; pass a plain tensor, as get_optimizer_state_dict gives."
         )
     return value.detach().clone()  # the optimizer updates state in place: do not alias the caller's dict
-
-
-def _few(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)})" if names else "[]"

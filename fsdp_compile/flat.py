@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .grads import as_shard_grad
+from .materialize import rebind_params
 from .units import ShardedParam, Unit
 
 __all__ = ["flat_check", "flat_member", "flatten_unit", "is_flat", "refresh_flat"]
@@ -91,9 +92,12 @@ def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
 
 
 def refresh_flat(module: nn.Module, unit: Unit) -> None:
-    """Lay ``unit``'s flat out again from its parameters' data, where any no longer is a view of it
-    (after ``module.to(...)``, say): NOTE [flat shards]."""
-    if unit.flat is not None and not all(_aliases(sp) for sp in unit.params):
+    """After a conversion of ``module`` (``module.to(...)``, ``to_empty``): rebind parameters the conversion
+    replaced (NOTE [converted parameters] in ``materialize.py``), and lay ``unit``'s flat out again from
+    its parameters' data where any no longer is a view of it (NOTE [flat shards]); a unit built on the
+    meta device gets its flat here."""
+    rebound = rebind_params(unit)
+    if rebound or (unit.flat is not None and not all(_aliases(sp) for sp in unit.params)):
         flatten_unit(unit, module, unit.flat_wanted)
 
 

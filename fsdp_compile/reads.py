@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from .units import ShardedParam
 
-__all__ = ["EagerReadRefused", "accumulator", "no_eager_reads", "traced_property", "traced_unshard"]
+__all__ = ["EagerReadRefused", "accumulator", "eager_args", "forward_depth_hooks", "no_eager_reads", "traced_property",
+           "traced_unshard"]
 
 
 def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
@@ -35,6 +36,38 @@ def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
 def accumulator(p: ShardedParam) -> Tensor | None:
     """The leaf a read passes while its unit accumulates without sync (NOTE [no-sync]), else ``None``."""
     return p.accumulator if p.accumulating else None
+
+
+_forwards = threading.local()  # how many mixed-precision units' forwards run eagerly on this thread
+
+_PARAM_DTYPE_ARG = 9  # param_dtype's place in ShardedParam.marker_args
+
+
+def eager_args(p: ShardedParam) -> tuple:
+    """The marker arguments of an eager read of ``p``. NOTE [reading a sharded parameter]: inside a unit's
+    forward a read is cast to the mixed-precision ``param_dtype`` (as compiled code reads it); outside
+    any (initialising, ``load_state_dict``, inspecting) it is the parameter's own dtype, so what is
+    written into it lands exactly, as on the unsharded model."""
+    args = p.marker_args
+    if args[_PARAM_DTYPE_ARG] is None or getattr(_forwards, "depth", 0) > 0:
+        return args
+    return args[:_PARAM_DTYPE_ARG] + (None,) + args[_PARAM_DTYPE_ARG + 1:]
+
+
+def forward_depth_hooks(module: nn.Module) -> None:
+    """Count ``module``'s eager forwards on this thread (what :func:`eager_args` reads); nothing while
+    Dynamo traces."""
+
+    def enter(*_: object) -> None:
+        if not torch.compiler.is_compiling():
+            _forwards.depth = getattr(_forwards, "depth", 0) + 1
+
+    def leave(*_: object) -> None:
+        if not torch.compiler.is_compiling():
+            _forwards.depth = max(getattr(_forwards, "depth", 0) - 1, 0)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 class EagerReadRefused(RuntimeError):

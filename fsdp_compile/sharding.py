@@ -22,11 +22,11 @@ from torch.nn.utils import parametrize
 from .collector import hold_full_collections_in_compiles
 from .flat import flatten_unit
 from .gathered import gathered
-from .grads import ShardGrad, as_shard_grad
 from .groups import FsdpGroups
+from .materialize import check_built_alike, hand_out_global_grads, register_grad_hook
 from .module import FsdpModule, forward_of, mix_in
 from .ops import ANONYMOUS_UNIT, shard_rows
-from .reads import accumulator, traced_property, traced_unshard
+from .reads import accumulator, eager_args, forward_depth_hooks, traced_property, traced_unshard
 from .stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
 from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of
 
@@ -44,7 +44,7 @@ class Unshard(nn.Module):
         if torch.compiler.is_compiling():  # a stack's block reads the shard its stacked body hands in
             return traced_unshard(self.param, shard if self.param.unit.stacked else None)
         p = self.param
-        full = torch.ops.fsdp.unshard(shard, *p.marker_args, accumulator(p))
+        full = torch.ops.fsdp.unshard(shard, *eager_args(p), accumulator(p))
         return gathered(full, p)  # NOTE [reading a sharded parameter]
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
@@ -112,29 +112,6 @@ def _local_shard(full: Tensor, sp: ShardedParam) -> Tensor:
     shard[: stop - start].copy_(flat[start:stop])
     sp.shard_index, sp.real_rows = rank, stop - start
     return shard
-
-
-def _register_grad_hook(p: nn.Parameter, hook: Callable[[Tensor], None]) -> None:
-    """Register ``hook`` after grad accumulation, also on a frozen param (it stays registered if the
-    param is unfrozen later; torch only takes the registration while ``requires_grad`` is set)."""
-    frozen = not p.requires_grad
-    p.requires_grad_(True)
-    p.register_post_accumulate_grad_hook(hook)
-    p.requires_grad_(not frozen)
-
-
-def _hand_out_global_grads(sp: ShardedParam) -> Callable[[Tensor], None]:
-    """A post-accumulate-grad hook: the shard's ``.grad`` becomes a :class:`ShardGrad` (NOTE [global
-    norms]), so ``clip_grad_norm_`` and other norms over it are global."""
-    group_name = sp.unit.groups.all_gather.group_name
-    rows = sp.real_rows
-
-    def hook(param: Tensor) -> None:
-        grad = param.grad
-        if grad is not None and type(grad) is not ShardGrad:
-            param.grad = as_shard_grad(grad, group_name, rows)
-
-    return hook
 
 
 def _check_params(module: nn.Module, unit_name: str, new: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
@@ -242,6 +219,7 @@ def fully_shard(
                 )
             new.append((owner, fqn, p))
     _check_params(module, unit_name, new)
+    check_built_alike(unit_name, list({id(p): p for _, _, p in new}.values()), groups)  # NOTE [ranks built alike]
 
     unit = Unit(
         index=0,  # set by _renumber_subunits below
@@ -267,8 +245,9 @@ def fully_shard(
         cls = type(owner)  # parametrize's class for this module alone, holding one property per name
         setattr(cls, pname, traced_property(pname, cls.__dict__[pname]))
         _lean_read(owner, pname, sp if stack is None else None)  # a stack's body reads through parametrize
+        sp.owners.append((weakref.ref(owner), pname))  # NOTE [converted parameters]
         if _params.get(p) is None:
-            _register_grad_hook(p, _hand_out_global_grads(sp))
+            register_grad_hook(p, hand_out_global_grads(sp))
         _params[p] = sp
     if stack is not None:
         add_sharded_block(stack, module, unit)
@@ -343,6 +322,8 @@ def _cast(tensors: object, dtype: torch.dtype) -> object:
 def _cast_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
     """Mixed precision at the unit's boundary: floating inputs to ``param_dtype`` (when
     ``cast_forward_inputs``), floating outputs to ``output_dtype``."""
+    if mp.param_dtype is not None:  # eager reads cast to it inside forwards alone (reads.eager_args)
+        forward_depth_hooks(module)
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         dtype = mp.param_dtype
         module.register_forward_pre_hook(lambda _m, args, kwargs: (_cast(args, dtype), _cast(kwargs, dtype)),

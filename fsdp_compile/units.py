@@ -96,6 +96,9 @@ class ShardedParam:
     flat: Tensor | None = None
     offset: int = 0
     piece_shape: tuple[int, ...] = ()  # the shard's shape, as compiled code views its piece
+    # (module, name) of every module that reads it as ``module.<name>`` (NOTE [converted parameters] in
+    # materialize.py), weakly: the registry must not keep a dropped model alive.
+    owners: list[tuple[weakref.ref[nn.Module], str]] = field(default_factory=list)
 
     @property
     def fqn(self) -> str:

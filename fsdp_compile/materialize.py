@@ -1,0 +1,122 @@
+"""Sharded parameters that ``module.to_empty(...)`` (or ``module.to(...)``) replaced: found and rebound.
+
+NOTE [converted parameters]: ``nn.Module._apply`` keeps a parameter object and swaps its ``.data`` when
+the converted tensor can share the old one's type, and otherwise registers a *new* ``nn.Parameter`` in its
+place: meta to CPU or CUDA (``to_empty`` after meta-device initialisation), or any conversion under
+``torch.__future__.set_overwrite_module_params_on_conversion(True)``. It does so once per module that
+holds the parameter, so a parameter shared by two modules comes back as two. A unit's records
+(``ShardedParam.shard``, the registry, the gradient hook) would then still point at the old meta tensor,
+and compiled code would read it (``FakeTensorDeviceMismatchError: meta and cpu``). :func:`rebind_params`,
+run after each conversion of a unit's module (``FsdpModule._apply`` through ``flat.refresh_flat``), makes
+the parameter the first owner now holds the unit's, puts that one object back into every other owner (the
+tie is kept), and registers the gradient hook on it; the unit's flat shard is then laid out again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .grads import ShardGrad, as_shard_grad
+from .groups import FsdpGroups
+from .units import ShardedParam, Unit, _params
+
+__all__ = ["check_built_alike", "hand_out_global_grads", "rebind_params", "register_grad_hook"]
+
+
+def register_grad_hook(p: nn.Parameter, hook: Callable[[Tensor], None]) -> None:
+    """Register ``hook`` after grad accumulation, also on a frozen param (it stays registered if the
+    param is unfrozen later; torch only takes the registration while ``requires_grad`` is set)."""
+    frozen = not p.requires_grad
+    p.requires_grad_(True)
+    p.register_post_accumulate_grad_hook(hook)
+    p.requires_grad_(not frozen)
+
+
+def hand_out_global_grads(sp: ShardedParam) -> Callable[[Tensor], None]:
+    """A post-accumulate-grad hook: the shard's ``.grad`` becomes a :class:`ShardGrad` (NOTE [global
+    norms]), so ``clip_grad_norm_`` and other norms over it are global."""
+    group_name = sp.unit.groups.all_gather.group_name
+    rows = sp.real_rows
+
+    def hook(param: Tensor) -> None:
+        grad = param.grad
+        if grad is not None and type(grad) is not ShardGrad:
+            param.grad = as_shard_grad(grad, group_name, rows)
+
+    return hook
+
+
+def _original_slot(owner: nn.Module, name: str) -> dict[str, nn.Parameter | None]:
+    """The ``_parameters`` dict of ``owner``'s parametrization list for ``name`` (holding ``original``)."""
+    return owner._modules["parametrizations"]._modules[name]._parameters  # type: ignore[index,union-attr]
+
+
+def rebind_params(unit: Unit) -> bool:
+    """NOTE [converted parameters]: make each of ``unit``'s params the parameter its modules hold now;
+    whether any had been replaced."""
+    rebound = False
+    for sp in unit.params:
+        current: nn.Parameter | None = None
+        for ref, name in sp.owners:
+            owner = ref()
+            if owner is None:
+                continue
+            slot = _original_slot(owner, name)
+            if current is None:
+                current = slot["original"]
+            elif slot["original"] is not current:
+                slot["original"] = current  # a shared param, converted once per owner: tie it again
+        if current is None or current is sp.shard:
+            continue
+        _params.pop(sp.shard, None)
+        sp.shard = current
+        _params[current] = sp
+        register_grad_hook(current, hand_out_global_grads(sp))
+        rebound = True
+    return rebound
+
+
+# NOTE [ranks built alike]: ``fully_shard`` keeps each rank's rows of the full parameters that rank was built
+# with. Ranks that built their model without a common seed would train a model stitched together from
+# different initialisations, and nothing else would notice. So each call sums the unit's full parameters
+# (the sum and the 2-norm, in float64) before sharding and compares the sums across the
+# ranks with one all-reduce (MAX of the sums and of their negatives: the largest and smallest at once),
+# per group. Meta tensors (meta-device init: the values come later, the same on every rank through
+# the init or a rank-0 broadcast) are skipped, and so are units of one rank.
+_TOLERANCE = 1e-9  # relative: float64 sums of the same values; only the reduction order may differ
+
+
+def _sums(params: Sequence[Tensor]) -> Tensor:
+    """Sum and 2-norm of ``params`` in float64 (no float64 copy on CUDA, where the kernels accumulate in it)."""
+    with torch.no_grad():
+        return torch.stack([torch.stack((p.detach().sum(dtype=torch.float64),
+                                         torch.linalg.vector_norm(p.detach(), dtype=torch.float64))) for p in params]).sum(0)
+
+
+def check_built_alike(unit_name: str, params: Sequence[Tensor], groups: FsdpGroups) -> None:
+    """NOTE [ranks built alike]: raise a ``ValueError`` naming the fixes when the ranks of ``groups``
+    hold different values of ``params`` (full, before sharding)."""
+    params = [p for p in params if p.device.type != "meta"]
+    group_list = [g for g in (groups.all_gather, groups.replicate) if g is not None and g.size() > 1]
+    if not params or not group_list:
+        return
+    sums = _sums(params)
+    for group in group_list:
+        both = torch.cat((sums, -sums))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        high, low = both[:2], -both[2:]
+        if bool(((high - low).abs() > _TOLERANCE * (1 + high.abs())).any()):
+            raise ValueError(
+                f"fully_shard({unit_name}): the ranks built it with different parameter values (checksums "
+                f"from {low[0].item():.6g} to {high[0].item():.6g}), so each rank would keep its rows of a "
+                "different model. Build it the same on every rank: call torch.manual_seed(seed) with one seed on "
+                "every rank before building the model; or build it on the meta device (with "
+                "torch.device('meta'): ...), fully_shard, model.to_empty(device=...), then run its init under a "
+                "common seed; or, to load weights rank 0 holds, build on the meta device and load with "
+                "fsdp_compile.set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, "
+                "broadcast_from_rank0=True))."
+            )

@@ -1,0 +1,288 @@
+"""Rank functions for tests/test_meta_init.py (module level, so spawned processes can import them).
+
+``Net`` is initialised torchtitan's way: built on the meta device, sharded, ``to_empty``, then its own
+``init_weights`` (``nn.init`` on module attributes, ``reset_parameters``, in-place writes, a
+non-persistent buffer). Its shapes divide by neither 2 nor 3 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.profiler import ProfilerActivity, profile
+
+from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend, set_model_state_dict
+from fsdp_compile.materialize import check_built_alike
+
+FULL = StateDictOptions(full_state_dict=True)
+BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+SEED = 7
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(3 * dim, dim)
+        self.gain = nn.Parameter(torch.ones(()))  # 0-d: one row on rank 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.proj(F.gelu(self.fc(self.norm(x)))) * self.gain
+
+
+class Net(nn.Module):
+    def __init__(self, vocab: int = 37, dim: int = 10, layers: int = 3) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim, padding_idx=1)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("freq", torch.empty(dim), persistent=False)
+
+    def init_buffers(self) -> None:
+        with torch.no_grad():
+            self.freq.copy_(1.0 / (10.0 ** (torch.arange(self.freq.numel(), dtype=torch.float32) / self.freq.numel())))
+
+    def init_weights(self) -> None:
+        """torchtitan's style: ``nn.init`` on module attributes, ``reset_parameters``, in-place writes."""
+        self.init_buffers()
+        self.tok.reset_parameters()  # normal_, then the padding row zeroed through a view
+        for i, block in enumerate(self.blocks):
+            block.norm.reset_parameters()
+            nn.init.trunc_normal_(block.fc.weight, std=0.02)
+            nn.init.zeros_(block.fc.bias)
+            nn.init.trunc_normal_(block.proj.weight, std=0.02 / math.sqrt(2 * (i + 1)), a=-0.03, b=0.03)
+            with torch.no_grad():
+                block.proj.bias.fill_(0.01)
+                block.gain.data.copy_(torch.tensor(0.5))
+        nn.init.trunc_normal_(self.head.weight, std=self.head.in_features ** -0.5)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.tok(tokens) * self.freq
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def reference(**net_kw: Any) -> Net:
+    """The unsharded model, built on the CPU and initialised with the same seed."""
+    model = Net(**net_kw)
+    torch.manual_seed(SEED)
+    model.init_weights()
+    return model
+
+
+def build_on_meta(groups: FsdpGroups, **net_kw: Any) -> Net:
+    with torch.device("meta"):
+        model = Net(**net_kw)
+    for block in model.blocks:
+        fully_shard(block, groups=groups)
+    fully_shard(model, groups=groups)
+    model.to_empty(device="cpu")
+    return model
+
+
+def _batch(vocab: int) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(3))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_steps(model: nn.Module, steps: int = 2, compiled: bool = True) -> list[float]:
+    """SGD steps on one batch that every rank sees (the averaged gradient is the unsharded one)."""
+    run = torch.compile(model, backend=make_backend(inductor=False)) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batch(model.head.out_features)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(run(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def meta_init(rank: int, world: int) -> dict[str, Any]:
+    """Meta device, shard, to_empty, init_weights: the full state dict, then two compiled steps."""
+    warnings.simplefilter("ignore")  # the one-time "gathered eagerly" warning
+    groups = FsdpGroups.create()
+    model = build_on_meta(groups)
+    torch.manual_seed(SEED)
+    model.init_weights()
+    full = {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
+    out = {"full": full, "freq": model.freq.clone(), "losses": train_steps(model)}
+    groups.destroy()
+    return out
+
+
+def broadcast_load(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Meta device, shard, to_empty, then rank 0's full state dict broadcast (the others pass {})."""
+    warnings.simplefilter("ignore")
+    groups = FsdpGroups.create()
+    model = build_on_meta(groups)
+    sd = torch.load(path) if rank == 0 else {}
+    keys = set_model_state_dict(model, sd, options=BROADCAST)
+    model.init_buffers()  # non-persistent: not in any state dict
+    full = {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
+    exported = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = {"full": full, "exported_keys": sorted(exported), "keys": (list(keys.missing_keys), list(keys.unexpected_keys)),
+           "losses": train_steps(model)}
+    groups.destroy()
+    return out
+
+
+def _peak_bytes(fn: Callable[[], None]) -> int:
+    """The peak of the CPU allocator's bytes allocated while ``fn`` runs, above where it started (the
+    profiler's memory events: every tensor, temporaries and collective buffers included)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    memory = [e["args"] for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])]
+    if not memory:
+        return 0
+    # "Total Allocated" counts from the first profile of the process: start from where this one began.
+    start = memory[0]["Total Allocated"] - memory[0]["Bytes"]
+    return max(0, *(m["Total Allocated"] - start for m in memory))
+
+
+MEMORY_NET = {"vocab": 64, "dim": 96, "layers": 8}
+
+
+def init_memory(rank: int, world: int, path: str) -> dict[str, int]:
+    """Peak bytes allocated on this rank by to_empty + init_weights, and by to_empty + a rank-0
+    broadcast load, beside its shards, the largest parameter and the whole model."""
+    warnings.simplefilter("ignore")
+    groups = FsdpGroups.create()
+    out: dict[str, int] = {}
+    with torch.device("meta"):
+        meta = Net(**MEMORY_NET)
+    out["model"] = sum(p.numel() * 4 for p in meta.parameters())
+    out["largest"] = max(p.numel() * 4 for p in meta.parameters())
+
+    def shard(model: Net) -> Net:
+        for block in model.blocks:
+            fully_shard(block, groups=groups)
+        return fully_shard(model, groups=groups)
+
+    model = shard(meta)
+
+    def init() -> None:
+        model.to_empty(device="cpu")
+        torch.manual_seed(SEED)
+        model.init_weights()
+
+    out["init_peak"] = _peak_bytes(init)
+    out["shards"] = sum(p.numel() * p.element_size() for p in model.parameters()) + model.freq.numel() * 4
+    with torch.device("meta"):
+        other = shard(Net(**MEMORY_NET))
+    sd = torch.load(path) if rank == 0 else {}
+    held = sum(t.numel() * t.element_size() for t in sd.values())
+
+    def load() -> None:
+        other.to_empty(device="cpu")
+        set_model_state_dict(other, sd, options=BROADCAST)
+
+    out["load_peak"] = _peak_bytes(load)
+    out["state_dict_held"] = held
+    groups.destroy()
+    return out
+
+
+def disagreeing(rank: int, world: int) -> dict[str, Any]:
+    """Each rank seeds differently before building: fully_shard must refuse. Then the check's cost."""
+    warnings.simplefilter("ignore")
+    groups = FsdpGroups.create()
+    torch.manual_seed(rank)
+    model = Net()
+    out: dict[str, Any] = {}
+    try:
+        fully_shard(model.blocks[0], groups=groups)
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
+    torch.manual_seed(0)
+    alike = Net()
+    params = list(alike.parameters())
+    check_built_alike("Net", params, groups)  # warm
+    start = time.perf_counter()
+    for _ in range(10):
+        check_built_alike("Net", params, groups)
+    out["check_s"] = (time.perf_counter() - start) / 10
+    start = time.perf_counter()
+    for block in alike.blocks:
+        fully_shard(block, groups=groups)
+    fully_shard(alike, groups=groups)
+    out["shard_s"] = time.perf_counter() - start
+    groups.destroy()
+    return out
+
+
+class InitNet(nn.Module):
+    """A parameter of each rank nn.init takes: 1-D, 2-D (Linear, Embedding), 3-D (Conv1d), 0-d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(10, 7)
+        self.conv = nn.Conv1d(4, 5, 3)
+        self.emb = nn.Embedding(11, 3)
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+I = nn.init
+INITS: dict[str, Callable[[Tensor], Any]] = {
+    "uniform_": lambda t: I.uniform_(t, -0.3, 0.7), "normal_": lambda t: I.normal_(t, 0.1, 0.5),
+    "trunc_normal_": lambda t: I.trunc_normal_(t, std=0.02), "constant_": lambda t: I.constant_(t, 0.25),
+    "ones_": I.ones_, "zeros_": I.zeros_, "eye_": I.eye_, "dirac_": I.dirac_,
+    "xavier_uniform_": I.xavier_uniform_, "xavier_normal_": lambda t: I.xavier_normal_(t, gain=2.0),
+    "kaiming_uniform_": lambda t: I.kaiming_uniform_(t, a=math.sqrt(5)), "kaiming_normal_": I.kaiming_normal_,
+    "orthogonal_": I.orthogonal_, "sparse_": lambda t: I.sparse_(t, 0.3),
+}
+
+
+def _takes(name: str, t: Tensor) -> bool:
+    if name in ("eye_", "sparse_"):
+        return t.dim() == 2
+    if name == "dirac_":
+        return 3 <= t.dim() <= 5
+    if name.startswith(("xavier", "kaiming", "orthogonal")):
+        return t.dim() >= 2
+    return True
+
+
+def apply_init(model: InitNet, name: str) -> None:
+    """``INITS[name]`` on every parameter it takes, read as ``module.<name>``; ``uniform_`` on the rest."""
+    for module in (model.fc, model.conv, model.emb, model):
+        for pname in ("weight", "bias", "scale"):
+            if hasattr(module, pname) and (module is model) == (pname == "scale"):
+                t = getattr(module, pname)
+                (INITS[name] if _takes(name, t) else INITS["uniform_"])(t)
+
+
+def every_init(rank: int, world: int) -> dict[str, dict[str, Tensor]]:
+    """For each nn.init function: InitNet on the meta device, sharded, to_empty, initialised; full values."""
+    warnings.simplefilter("ignore")
+    groups = FsdpGroups.create()
+    out = {}
+    for name in INITS:
+        with torch.device("meta"):
+            model = InitNet()
+        fully_shard(model.fc, groups=groups)
+        fully_shard(model, groups=groups)
+        model.to_empty(device="cpu")
+        torch.manual_seed(SEED)
+        apply_init(model, name)
+        out[name] = {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
+    groups.destroy()
+    return out

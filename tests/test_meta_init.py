@@ -1,0 +1,99 @@
+"""Meta-device initialisation (fsdp_compile/materialize.py, gathered.py), rank-0 broadcast loading
+(full_state.py) and the check that ranks were built alike, against the unsharded model, on 2 and 3 gloo
+ranks (uneven shards). Rank functions: tests/meta_workers.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_compile.launch import run_ranks
+
+from .meta_workers import (
+    INITS,
+    MEMORY_NET,
+    SEED,
+    InitNet,
+    Net,
+    apply_init,
+    broadcast_load,
+    disagreeing,
+    every_init,
+    init_memory,
+    meta_init,
+    reference,
+    train_steps,
+)
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert list(got) == list(want), f"{what}: keys differ"
+    wrong = [k for k, v in want.items() if not torch.equal(got[k], v)]
+    assert not wrong, f"{what}: not exactly the unsharded values: {wrong}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_meta_init_gives_the_unsharded_values_and_trains(world: int) -> None:
+    results = run_ranks(meta_init, world, timeout=300)
+    ref = reference()
+    want = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_losses = train_steps(ref, compiled=False)
+    for rank, r in enumerate(results):
+        _same(r["full"], want, f"rank {rank} of {world}")
+        assert torch.equal(r["freq"], ref.freq), "the init method fills the non-persistent buffer"
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_meta_init_then_rank0_broadcast_load(world: int, tmp_path: Path) -> None:
+    torch.manual_seed(11)
+    ref = Net()
+    ref.init_buffers()
+    torch.save(ref.state_dict(), tmp_path / "sd.pt")
+    results = run_ranks(broadcast_load, world, str(tmp_path / "sd.pt"), timeout=300)
+    ref_losses = train_steps(ref, compiled=False)
+    for rank, r in enumerate(results):
+        _same(r["full"], {k: v for k, v in torch.load(tmp_path / "sd.pt").items()}, f"rank {rank} of {world}")
+        assert r["keys"] == ([], [])
+        assert r["exported_keys"] == (sorted(ref.state_dict()) if rank == 0 else []), "cpu_offload: rank 0 alone"
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_every_nn_init_function_at_three_ranks() -> None:
+    results = run_ranks(every_init, 3, timeout=300)
+    for name in INITS:
+        ref = InitNet()
+        torch.manual_seed(SEED)
+        apply_init(ref, name)
+        for rank, r in enumerate(results):
+            _same(r[name], ref.state_dict(), f"nn.init.{name}, rank {rank}")
+
+
+def test_ranks_built_differently_are_refused_and_the_check_is_cheap() -> None:
+    results = run_ranks(disagreeing, 2, timeout=300)
+    for r in results:
+        assert r["error"] is not None, "ranks seeded differently were sharded without a word"
+        for fix in ("torch.manual_seed", "meta device", "broadcast_from_rank0=True"):
+            assert fix in r["error"]
+        assert r["check_s"] < 0.05, f"one check of a tiny model took {r['check_s'] * 1e3:.1f} ms"
+    print(f"\nchecksum of the whole tiny model: {results[0]['check_s'] * 1e3:.2f} ms; "
+          f"fully_shard of its 4 units, checks included: {results[0]['shard_s'] * 1e3:.1f} ms")
+
+
+def test_memory_while_initialising_is_the_shards_plus_about_one_parameter(tmp_path: Path) -> None:
+    """Peak bytes a rank allocates from to_empty to the end of its init (or of a rank-0 broadcast load):
+    its shards, plus a few copies of the largest parameter, never the model (here 3x its shards)."""
+    torch.manual_seed(0)
+    torch.save(Net(**MEMORY_NET).state_dict(), tmp_path / "sd.pt")
+    results = run_ranks(init_memory, 3, str(tmp_path / "sd.pt"), timeout=300)
+    for rank, r in enumerate(results):
+        # A read for init: the gathered param, its all-gather output and gloo's staging (about 4.5 params);
+        # a broadcast: one buffer per tensor, but gloo's worker threads release them late (up to 4 alive).
+        bound = r["shards"] + 6 * r["largest"]
+        print(f"\nrank {rank} of 3: init peak {r['init_peak'] / 1024:.0f} KiB, broadcast-load peak "
+              f"{r['load_peak'] / 1024:.0f} KiB; shards {r['shards'] / 1024:.0f} KiB, largest param "
+              f"{r['largest'] / 1024:.0f} KiB, model {r['model'] / 1024:.0f} KiB")
+        assert r["init_peak"] <= bound and r["load_peak"] <= bound, (rank, r)
+        assert r["init_peak"] < r["model"] and r["load_peak"] < r["model"], (rank, r)

@@ -86,7 +86,7 @@ def broadcast_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], s
         for index, name, shape, dtype in plan:
             e = entries[index]
             target = e.param.shard if e.param is not None else e.tensor
-            buffer = state_dict[name].to(target.device) if rank == 0 else torch.empty(shape, dtype=dtype,
+            buffer = state_dict[name].to(target.device).contiguous() if rank == 0 else torch.empty(shape, dtype=dtype,
                                                                                       device=target.device)
             dist.broadcast(buffer, src=0)
             if e.param is None:

@@ -10,6 +10,18 @@ and compiled code would read it (``FakeTensorDeviceMismatchError: meta and cpu``
 run after each conversion of a unit's module (``FsdpModule._apply`` through ``flat.refresh_flat``), makes
 the parameter the first owner now holds the unit's, puts that one object back into every other owner (the
 tie is kept), and registers the gradient hook on it; the unit's flat shard is then laid out again.
+
+NOTE [initialising sharded parameters]: after ``to_empty`` the model's own init runs as on the unsharded
+model (torchtitan's ``init_weights``: ``nn.init.*`` on ``module.weight``, ``reset_parameters()``,
+``w.data.copy_(...)``, ``with torch.no_grad(): w[0].fill_(0)``). Each read of ``module.weight`` outside
+compiled code gathers the full parameter (``gathered.py``: every rank must read it, in the same order, as
+any init does), in the parameter's own dtype outside a forward even under mixed precision
+(``reads.eager_args``); every rank then draws the same full tensor from the same RNG stream, as the
+unsharded model draws it, and each in-place write, through the tensor or any view of it, copies this
+rank's rows back into its shard. So the values are exactly the unsharded model's with the same seed, at
+any world size, for every ``torch.nn.init`` function (tests/test_meta_init.py). A rank's memory while
+initialising: its shards, plus the parameter being initialised gathered (and the all-gather's buffers).
+Non-persistent buffers are in no checkpoint: the init method fills them.
 """
 
 from __future__ import annotations
@@ -107,6 +119,8 @@ def check_built_alike(unit_name: str, params: Sequence[Tensor], groups: FsdpGrou
     sums = _sums(params)
     for group in group_list:
         both = torch.cat((sums, -sums))
+        if both.device.type == "cpu" and "nccl" in str(dist.get_backend(group)):  # a CPU-built model, NCCL ranks
+            both = both.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         high, low = both[:2], -both[2:]
         if bool(((high - low).abs() > _TOLERANCE * (1 + high.abs())).any()):

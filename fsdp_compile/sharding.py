@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -157,7 +156,10 @@ def fully_shard(
     of its own (what ``for block in stack: fully_shard(block, ...)`` does), and returns the stack; the
     blocks of a stack are compiled as one body (NOTE [stacked blocks] in ``stack.py``).
     Returns ``module`` (sharded in place). Buffers stay replicated; frozen parameters are gathered
-    but never reduced.
+    but never reduced. Each call checks, with one small all-reduce, that every rank built the unit's
+    parameters with the same values (NOTE [ranks built alike] in ``materialize.py``); a module built under
+    ``torch.device("meta")`` is not checked: shard it, ``module.to_empty(device=...)``, then run its init
+    (NOTE [initialising sharded parameters]) or load rank 0's checkpoint (NOTE [rank-0 broadcast]).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(

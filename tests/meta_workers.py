@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.profiler import ProfilerActivity, profile
 
-from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend, set_model_state_dict
+from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, get_model_state_dict, make_backend, set_model_state_dict
 from fsdp_compile.materialize import check_built_alike
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -82,12 +82,12 @@ def reference(**net_kw: Any) -> Net:
     return model
 
 
-def build_on_meta(groups: FsdpGroups, **net_kw: Any) -> Net:
+def build_on_meta(groups: FsdpGroups, mp: MixedPrecisionPolicy | None = None, **net_kw: Any) -> Net:
     with torch.device("meta"):
         model = Net(**net_kw)
     for block in model.blocks:
-        fully_shard(block, groups=groups)
-    fully_shard(model, groups=groups)
+        fully_shard(block, groups=groups, mp_policy=mp)
+    fully_shard(model, groups=groups, mp_policy=mp)
     model.to_empty(device="cpu")
     return model
 
@@ -112,11 +112,12 @@ def train_steps(model: nn.Module, steps: int = 2, compiled: bool = True) -> list
     return losses
 
 
-def meta_init(rank: int, world: int) -> dict[str, Any]:
-    """Meta device, shard, to_empty, init_weights: the full state dict, then two compiled steps."""
+def meta_init(rank: int, world: int, bf16: bool = False) -> dict[str, Any]:
+    """Meta device, shard, to_empty, init_weights: the full state dict, then two compiled steps (``bf16``:
+    with bf16 compute, whose init still writes fp32 values)."""
     warnings.simplefilter("ignore")  # the one-time "gathered eagerly" warning
     groups = FsdpGroups.create()
-    model = build_on_meta(groups)
+    model = build_on_meta(groups, MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None)
     torch.manual_seed(SEED)
     model.init_weights()
     full = {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}

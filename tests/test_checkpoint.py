@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -235,6 +236,39 @@ def test_error_messages_name_the_fix(fake_world: int, groups: FsdpGroups) -> Non
         set_optimizer_state_dict(model, opt, {**osd, "param_groups": osd["param_groups"] * 2})
     with pytest.raises(ValueError, match=r"state for params the optimizer lacks: \['nope'\]"):
         set_optimizer_state_dict(model, opt, {**osd, "state": {**osd["state"], "nope": {}}})
+
+
+def test_state_dict_options_follow_torch() -> None:
+    """torch's StateDictOptions and signatures (one rank: the full dict and the broadcast need no peers;
+    tests/test_meta_init.py runs them at 2 and 3)."""
+    with fake_process_group(1, 0):
+        groups = FsdpGroups.create(dedicated="none")
+        model = nn.Sequential(Shapes(), nn.Linear(2, 2))
+        model[1].weight.requires_grad_(False)
+        full = copy.deepcopy(model).state_dict()
+        fully_shard(model, groups=groups)
+        exported = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        assert list(exported) == list(full) and all(torch.equal(exported[k], v) for k, v in full.items())
+        frozen_out = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+        assert "1.weight" not in frozen_out and "1.bias" in frozen_out
+        inner = get_model_state_dict(model, submodules={model[0]}, options=StateDictOptions(keep_submodule_prefixes=False))
+        assert list(inner) == ["ten", "five", "one", "big", "scalar", "buf"]
+        source = {k: v + 1 for k, v in full.items()}
+        keys = set_model_state_dict(model, source, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        assert keys == ([], [])
+        back = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        assert all(torch.equal(back[k], v) for k, v in source.items())
+        with pytest.raises(ValueError, match="missing keys.*strict=False"):
+            set_model_state_dict(model, {"0.ten": full["0.ten"]},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        with pytest.raises(ValueError, match="broadcast_from_rank0=True needs full_state_dict=True"):
+            set_model_state_dict(model, source, options=StateDictOptions(broadcast_from_rank0=True))
+        with pytest.raises(NotImplementedError, match="cpu_offload=True is supported with full_state_dict=True only"):
+            get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
+        with pytest.raises(NotImplementedError, match="optimizer state.*dcp.save"):
+            get_optimizer_state_dict(model, torch.optim.SGD(model.parameters()),
+                                     options=StateDictOptions(full_state_dict=True))
+        groups.destroy()
 
 
 def test_fresh_optimizer_state_is_created_without_moving_params(fake_world: int, groups: FsdpGroups) -> None:

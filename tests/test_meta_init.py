@@ -46,6 +46,15 @@ def test_meta_init_gives_the_unsharded_values_and_trains(world: int) -> None:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
 
 
+def test_meta_init_under_mixed_precision_writes_the_fp32_values() -> None:
+    """Outside a forward, a bf16-compute model's parameters read in their own dtype: the init is exact."""
+    results = run_ranks(meta_init, 2, True, timeout=300)
+    want = reference().state_dict()
+    for rank, r in enumerate(results):
+        _same(r["full"], want, f"bf16 compute, rank {rank}")
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_meta_init_then_rank0_broadcast_load(world: int, tmp_path: Path) -> None:
     torch.manual_seed(11)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from passes.prefetch import prefetch_pass
-from passes.reduce_scatter import reduce_scatter_pass
-from passes.regions import regions
-from passes.streams import streams_pass
+from passes.collective_regions import regions
+from passes.schedule.prefetch import prefetch_pass
+from passes.schedule.reduce_scatter import reduce_scatter_pass
+from passes.schedule.streams import streams_pass
 
 from .cost import Hardware
 from .timeline import simulate

@@ -19,7 +19,7 @@ skips steps 1-4 (NOTE [warm start] in ``cache.py``).
 
 Outlined units (NOTE [outlined units] in ``module.py``) reach the backend as calls of one
 ``invoke_subgraph`` body per kind of block; before step 1 their markers move out to the calls
-(``passes/hoist.py``) and are named after the shards they read, and bodies that cannot stay outlined
+(``passes/capture/hoist.py``) and are named after the shards they read, and bodies that cannot stay outlined
 (``outline=False``, a marker left inside) are inlined.
 """
 
@@ -38,19 +38,20 @@ import torch
 from torch import fx, nn
 
 from passes import NamedPass, run_passes
-from passes.absorb import absorb_copies_pass
-from passes.bucket import bucket_pass
-from passes.tiles import tiles_pass
-from passes.group import expand_markers_pass, group_markers_pass
-from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
-from passes.lower_grouped import lower_grouped_pass
-from passes.prefetch import prefetch_pass
-from passes.reduce_scatter import SCHEDULES, reduce_scatter_pass
-from passes.share import share_subgraphs_pass
-from passes.inline import inline_subgraphs_pass
-from passes.outline import outline_blocks_pass
-from passes.unroll import unroll_scans_pass
-from passes.streams import check_streams, streams_pass
+from passes.capture.group_markers import group_markers_pass
+from passes.capture.inline import inline_subgraphs_pass
+from passes.capture.outline import outline_blocks_pass
+from passes.capture.unroll import unroll_scans_pass
+from passes.lower.bucket import bucket_pass
+from passes.lower.expand_markers import expand_markers_pass
+from passes.lower.grouped import lower_grouped_pass
+from passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
+from passes.lower.share import share_subgraphs_pass
+from passes.lower.tiles import tiles_pass
+from passes.schedule.absorb import absorb_copies_pass
+from passes.schedule.prefetch import prefetch_pass
+from passes.schedule.reduce_scatter import SCHEDULES, reduce_scatter_pass
+from passes.schedule.streams import check_streams, streams_pass
 
 from . import ops as _ops  # noqa: F401  (registers the marker ops)
 from . import agreement, autotune, cache, lockstep
@@ -299,7 +300,7 @@ def make_backend(
     ``pin_order=False`` lets Inductor reorder collectives by its own memory heuristics (for comparison).
     ``elide_single_rank=False`` keeps the collectives of one-rank groups (for measuring their cost).
     ``inplace_gather=False`` packs each all-gather bucket into a buffer of its own instead of into its
-    slice of the output (NOTE [in-place all-gather] in ``passes/bucket.py``; for comparison).
+    slice of the output (NOTE [in-place all-gather] in ``passes/lower/bucket.py``; for comparison).
     ``bucket_alone_bytes``: a parameter at least this large (full size, bytes) keeps an all-gather and a
     reduce-scatter of its own, which need no pack or unpack copy; smaller ones share their unit's
     bucket (NOTE [large params alone]); ``None`` buckets every parameter.

@@ -8,7 +8,7 @@ the unit's order, the ``flat``; each ``nn.Parameter`` stays the leaf the optimiz
 user reads, its storage now a view of the flat. Compiled code reads parameter ``i`` as the piece
 ``flat.narrow(0, offset_i, n_i).view(shape_i)`` (``reads.traced_unshard``), so Dynamo takes one input
 per unit; the backend gathers the flat in one copy and hands the reduce-scatter's output on as the
-flat's gradient (``passes/flat.py``). After each backward, a hook on the flat hands each parameter its
+flat's gradient (``passes/capture/group_markers.py``). After each backward, a hook on the flat hands each parameter its
 piece of that gradient as its ``.grad`` (a view; added to a ``.grad`` already there, as autograd
 accumulates), for the parameters that require grad; the flat's own ``.grad`` is then cleared.
 

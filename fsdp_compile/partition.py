@@ -17,9 +17,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from passes.flat import is_flat_unshard
-from passes.group import is_grouped_unshard
-from passes.predicates import UnshardArgs, is_unshard, schema_args
+from passes.predicates import UnshardArgs, is_flat_unshard, is_grouped_unshard, is_unshard, schema_args
 
 from ._compat import inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
 

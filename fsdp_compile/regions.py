@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes.flat import flat_piece
-from passes.hoist import hoist_unshards_pass, subgraph_calls
-from passes.inline import holds, inline_subgraphs_pass
-from passes.predicates import UnshardArgs, is_reduce_grad, is_unshard
+from passes.capture.hoist import hoist_unshards_pass
+from passes.capture.inline import inline_subgraphs_pass
+from passes.predicates import UnshardArgs, flat_piece, is_reduce_grad, is_unshard
+from passes.subgraphs import holds, subgraph_calls
 
 from .flat import flat_member
 from .ops import ANONYMOUS_UNIT

@@ -8,7 +8,7 @@ module (``h = self.layers(h, *args)``). Traced for ``fsdp_backend``, its forward
 ``scan`` whose body is block 0 and whose inputs are every block's parameters (their shards, once
 sharded) stacked per role, so Dynamo traces one block however deep the stack. The backend then
 unrolls that loop into one call of the body per block, each reading its own block's tensors (NOTE
-[unrolled stacks] in ``passes/unroll.py``), which is exactly an outlined model: the stacks are never
+[unrolled stacks] in ``passes/capture/unroll.py``), which is exactly an outlined model: the stacks are never
 built, the body is partitioned and compiled once, and every block's collectives are scheduled across
 blocks (prefetch, eager reduce-scatter) as for any outlined units.
 

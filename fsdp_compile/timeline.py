@@ -1,6 +1,6 @@
 """Simulate a scheduled graph on a ``Hardware`` model: when each node runs, on which stream.
 
-The model follows NOTE [streams] (``passes/streams.py``): one compute stream runs compute nodes,
+The model follows NOTE [streams] (``passes/schedule/streams.py``): one compute stream runs compute nodes,
 pack/unpack copies and waits in graph order; each collective launch is issued when the compute stream
 reaches it and runs on its annotated stream, a serial queue (``comm`` is one communicator shared by
 all-gathers and reduce-scatters, so they serialise there); a wait blocks the compute stream until its

@@ -10,13 +10,18 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch import fx
+from torch import Tensor, fx
 
 __all__ = [
     "UnshardArgs",
     "ReduceGradArgs",
     "is_unshard",
     "is_reduce_grad",
+    "is_grouped_unshard",
+    "is_grouped_reduce_grad",
+    "is_flat_unshard",
+    "is_flat_reduce_grad",
+    "flat_piece",
     "is_all_gather",
     "is_reduce_scatter",
     "is_all_reduce",
@@ -57,6 +62,30 @@ def is_unshard(node: fx.Node) -> bool:
 def is_reduce_grad(node: fx.Node) -> bool:
     """``full grad -> fsdp::reduce_grad -> shard grad``: a marker before lowering."""
     return _schema_name(node) == "fsdp::reduce_grad"
+
+
+def is_grouped_unshard(node: fx.Node) -> bool:
+    """``[shards] -> fsdp::unshard_many -> getitem -> full params``"""
+    return _schema_name(node) == "fsdp::unshard_many"
+
+
+
+def is_grouped_reduce_grad(node: fx.Node) -> bool:
+    """``[full grads] -> fsdp::reduce_grad_many -> shard grads``"""
+    return _schema_name(node) == "fsdp::reduce_grad_many"
+
+
+
+def is_flat_unshard(node: fx.Node) -> bool:
+    """``flat -> fsdp::unshard_flat -> getitem -> full params``"""
+    return _schema_name(node) == "fsdp::unshard_flat"
+
+
+
+def is_flat_reduce_grad(node: fx.Node) -> bool:
+    """``[full grads] -> fsdp::reduce_grad_flat -> the flat's gradient``"""
+    return _schema_name(node) == "fsdp::reduce_grad_flat"
+
 
 
 def is_all_gather(node: fx.Node) -> bool:
@@ -198,3 +227,46 @@ def schema_args(node: fx.Node) -> dict[str, object]:
     for i, arg in enumerate(schema.arguments):
         out[arg.name] = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
     return out
+
+
+_NARROW = {torch.ops.aten.narrow.default, torch.ops.aten.slice.Tensor}
+
+_VIEW = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
+
+
+
+def flat_piece(node: object) -> tuple[fx.Node, int, int, list[fx.Node]] | None:
+    """``base -> narrow(0, offset, n) [-> view(shape)] -> node``, as Dynamo records the read of a flat
+    shard's piece (``Tensor.narrow`` / ``Tensor.view`` methods) or as ATen ops: ``(base, offset, n, the
+    nodes from the narrow on)``, else ``None``. ``base`` is a 1-D graph input."""
+    if not isinstance(node, fx.Node):
+        return None
+    chain = [node]
+    if _is(node, "view", _VIEW):
+        inner = node.args[0]
+        if not isinstance(inner, fx.Node):
+            return None
+        chain.insert(0, inner)
+        node = inner
+    if not _is(node, "narrow", _NARROW) or len(node.args) < 4:
+        return None
+    base, dim, start, length = node.args[:4]
+    if node.target is torch.ops.aten.slice.Tensor:
+        length = length - start if isinstance(length, int) and isinstance(start, int) else None  # (start, end)
+        if len(node.args) > 4 and node.args[4] != 1:
+            return None
+    if (not isinstance(base, fx.Node) or base.op not in ("placeholder", "get_attr") or dim != 0
+            or not isinstance(start, int) or not isinstance(length, int)):
+        return None
+    val = base.meta.get("example_value", base.meta.get("val"))
+    if not isinstance(val, Tensor) or val.dim() != 1:
+        return None
+    return base, start, length, chain
+
+
+
+def _is(node: fx.Node, method: str, targets: set) -> bool:
+    if node.op == "call_method":
+        return node.target == method
+    return node.op == "call_function" and node.target in targets
+

@@ -3,7 +3,7 @@
 Each pattern builds a model of four blocks of one class that differ (or come to differ after the first
 compile) in something the forward does; ``train_patterns`` trains it sharded with the default backend and
 unsharded eagerly, step for step, and returns the largest relative difference of the outputs and of the
-parameters (NOTE [outlining by proof] in passes/outline.py: the default must be exact on all of them).
+parameters (NOTE [outlining by proof] in passes/capture/outline.py: the default must be exact on all of them).
 """
 
 from __future__ import annotations

@@ -18,15 +18,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compile.ops as fsdp_ops
-import passes.copies as bucket_copies
+import passes.graph_ops as bucket_copies
 from fsdp_compile.schedule import listing
 from passes import NamedPass
-from passes.bucket import bucket_pass
-from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
+from passes.lower.bucket import bucket_pass
+from passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
 from passes.predicates import fsdp_meta, is_all_gather, is_collective, is_reduce_scatter, is_wait
-from passes.prefetch import prefetch_pass
-from passes.reduce_scatter import reduce_scatter_pass
-from passes.streams import streams_pass
+from passes.schedule.prefetch import prefetch_pass
+from passes.schedule.reduce_scatter import reduce_scatter_pass
+from passes.schedule.streams import streams_pass
 
 c10d = torch.ops._c10d_functional
 

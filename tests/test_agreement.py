@@ -95,7 +95,7 @@ def test_agreeing_ranks_run() -> None:
 def test_fingerprint_lists_collectives_in_order(groups: FsdpGroups, flat: bool) -> None:
     graphs = capture(shard_blocks_then_root(ThreeUnits(), groups, flat=flat), torch.randn(4, 8))
     fwd = fingerprint(graphs["forward"])
-    # a flat shard is gathered as it is (NOTE [a flat gathers as it is] in passes/bucket.py), a bucket
+    # a flat shard is gathered as it is (NOTE [a flat gathers as it is] in passes/lower/bucket.py), a bucket
     # of shards apart in place (NOTE [in-place all-gather])
     gather = "all_gather_into_tensor" if flat else "all_gather_into_tensor_out"
     assert fwd[:3] == [

@@ -17,9 +17,9 @@ from torch import fx
 from fsdp_compile import FsdpGroups
 from fsdp_compile.models import Transformer
 from fsdp_compile.schedule import in_flight_peaks
-from passes.prefetch import prefetch_pass
-from passes.reduce_scatter import reduce_scatter_pass
-from passes.regions import regions
+from passes.collective_regions import regions
+from passes.schedule.prefetch import prefetch_pass
+from passes.schedule.reduce_scatter import reduce_scatter_pass
 
 from .graph_utils import SMALL, capture, fake_process_group, shard_blocks_then_root
 

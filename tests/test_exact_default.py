@@ -1,6 +1,6 @@
 """The default backend trains every model as eager does, outlining only blocks proven alike.
 
-NOTE [outlining by proof] (passes/outline.py). Each pattern of ``exactness_workers.PATTERNS`` is a
+NOTE [outlining by proof] (passes/capture/outline.py). Each pattern of ``exactness_workers.PATTERNS`` is a
 model of four blocks of one class that differ, or come to differ after the first compile, in something
 their forward does; it trains 3 SGD steps sharded with the default backend and unsharded eagerly, on 1
 and 2 gloo ranks (the scheduled FX graphs; a few under Inductor too). What each must show: the numbers

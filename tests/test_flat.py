@@ -21,8 +21,8 @@ from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import ModelConfig, Transformer
 from fsdp_compile.units import unit_of
-from passes.flat import is_flat_reduce_grad, is_flat_unshard
-from passes.tiles import tiles_pass
+from passes.lower.tiles import tiles_pass
+from passes.predicates import is_flat_reduce_grad, is_flat_unshard
 
 from .graph_utils import fake_process_group, shard_blocks_then_root
 

@@ -1,5 +1,5 @@
 """Outlined units (NOTE [outlined units] in fsdp_compile/module.py): identical blocks are one
-``invoke_subgraph`` body, compiled once; their markers move out to the calls (passes/hoist.py), so the
+``invoke_subgraph`` body, compiled once; their markers move out to the calls (passes/capture/hoist.py), so the
 schedule still sees every unit's collectives; backward gathers again; nothing compiles after step 1."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from fsdp_compile.backend import observe_graphs
 from fsdp_compile.models import Transformer, loss_fn
 from fsdp_compile.module import is_outline_candidate
 from fsdp_compile.schedule import graph_group_labels, group_labels, listing
-from passes.hoist import hoist_unshards_pass
-from passes.outline import outline_blocks_pass
-from passes.inline import inline_subgraphs_pass
+from passes.capture.hoist import hoist_unshards_pass
+from passes.capture.inline import inline_subgraphs_pass
+from passes.capture.outline import outline_blocks_pass
 from passes.predicates import UnshardArgs, is_all_gather, is_collective, is_unshard
 
 from .workers import MODELS, TINY

@@ -10,12 +10,12 @@ import torch
 from expecttest import TestCase
 from torch import Tensor, fx
 
-from passes.bucket import bucket_pass
-from passes.copies import flatten_shapes
-from passes.group import NAMES_SEP, expand_markers_pass, is_grouped_reduce_grad, is_grouped_unshard
-from passes.lower import lower_reduce_grad_pass, lower_unshard_pass
-from passes.lower_grouped import lower_grouped_pass
-from passes.predicates import fsdp_meta, is_reduce_grad, is_unshard
+from passes.graph_ops import NAMES_SEP, flatten_shapes
+from passes.lower.bucket import bucket_pass
+from passes.lower.expand_markers import expand_markers_pass
+from passes.lower.grouped import lower_grouped_pass
+from passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
+from passes.predicates import fsdp_meta, is_grouped_reduce_grad, is_grouped_unshard, is_reduce_grad, is_unshard
 
 from .pass_graphs import WIDTH, assert_same, gathers, ints, launches, ops, run, scatters, trace, valid
 

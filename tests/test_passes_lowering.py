@@ -7,8 +7,8 @@ import torch
 from expecttest import TestCase
 from torch import Tensor
 
-from passes.bucket import bucket_pass
-from passes.lower import lower_unshard_pass
+from passes.lower.bucket import bucket_pass
+from passes.lower.per_param import lower_unshard_pass
 from passes.predicates import fsdp_meta
 
 from .pass_graphs import (

@@ -1,5 +1,5 @@
 """Stacked blocks (NOTE [stacked blocks] in fsdp_compile/stack.py, NOTE [unrolled stacks] in
-passes/unroll.py): a ``BlockStack`` computes what its blocks compute; Dynamo traces one block for all of
+passes/capture/unroll.py): a ``BlockStack`` computes what its blocks compute; Dynamo traces one block for all of
 them; the backend unrolls that trace into one call of one body per block, so the schedule is the
 outlined model's, block for block; the blocks stay ordinary units (names, state dicts, accumulation);
 misuse is refused with the fix.
@@ -30,7 +30,7 @@ from fsdp_compile.models import Transformer, loss_fn
 from fsdp_compile.schedule import group_labels, listing
 from fsdp_compile.stack import BlockStack, stack_of
 from fsdp_compile.units import unit_of
-from passes.unroll import unroll_scans_pass
+from passes.capture.unroll import unroll_scans_pass
 
 from .graph_utils import SMALL, FakeWorldTestCase, capture, fake_process_group, shard_blocks_then_root
 from .test_inductor_order import emitted_order, fx_order
@@ -305,7 +305,7 @@ class StackSchedule(FakeWorldTestCase):
         call, overlapping the next block's, exactly as the outlined blocks of an nn.ModuleList do, their
         shards kept apart (a stack's blocks read rows of stacked parameters, which are packed into their
         all-gather, where an outlined block's flat shard is gathered as it is: NOTE [a flat gathers as it
-        is] in passes/bucket.py)."""
+        is] in passes/lower/bucket.py)."""
         body = re.compile(r"call \w+")
         stacked_apart = self._listings(stacked=True, flat=False)
         outlined_apart = self._listings(stacked=False, flat=False)

@@ -13,31 +13,18 @@ takes the gathered parameter instead of the shard, and each call gathers its own
 
 The markers keep their arguments (the backend names their unit afterwards, from the shard). A marker
 reading a piece of a flat shard that is a body input (``narrow`` and ``view`` of it, NOTE [flat shards]
-in ``flat.py``) moves with the piece's ``narrow`` and ``view``. A marker reading a value computed in the
+in ``group_markers.py``) moves with the piece's ``narrow`` and ``view``. A marker reading a value computed in the
 body otherwise stays where it is (the backend then inlines that body).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 
-from .flat import flat_piece
-from .predicates import is_unshard
+from ..predicates import flat_piece, is_unshard
+from ..subgraphs import fresh_value, subgraph_calls
 
-__all__ = ["hoist_unshards_pass", "subgraph_calls"]
-
-invoke_subgraph = torch.ops.higher_order.invoke_subgraph
-
-
-def subgraph_calls(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
-    """``invoke_subgraph`` calls of ``gm`` by the attribute that holds their body, in graph order."""
-    out: dict[str, list[fx.Node]] = {}
-    for node in gm.graph.find_nodes(op="call_function", target=invoke_subgraph):
-        attr = node.args[0]
-        if isinstance(attr, fx.Node) and attr.op == "get_attr":
-            out.setdefault(str(attr.target), []).append(node)
-    return out
+__all__ = ["hoist_unshards_pass"]
 
 
 def _hoistable(marker: fx.Node, placeholders: set[fx.Node]) -> list[fx.Node] | None:
@@ -53,18 +40,6 @@ def _hoistable(marker: fx.Node, placeholders: set[fx.Node]) -> list[fx.Node] | N
             return None
         moved.extend(piece[3])
     return [*moved, marker]
-
-
-def fresh_value(val: object, *, requires_grad: bool = False) -> object:
-    """A new fake tensor like ``val`` (a value of its own for each node that is given one; ``val`` itself
-    if it is no fake tensor): a meta tensor wrapped by ``val``'s fake mode, a quarter of what an
-    ``empty_strided`` dispatched through the mode costs (about 30 against 120 us; one for each moved node
-    of every call, 864 at 32 Llama blocks). ``requires_grad``: as ``val``'s."""
-    if isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
-        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta",
-                                   requires_grad=requires_grad and val.requires_grad)
-        return val.fake_mode.fake_tensor_converter.from_meta_and_device(val.fake_mode, meta, val.device)
-    return val
 
 
 def _hoist_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> None:

@@ -30,9 +30,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from .hoist import fresh_value
-from .inline import holds
-from .predicates import is_unshard
+from ..predicates import is_unshard
+from ..subgraphs import fresh_value, holds
 
 __all__ = ["unroll_scans_pass"]
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .hoist import subgraph_calls
-from .predicates import is_wait
+from ..predicates import is_wait
+from ..subgraphs import subgraph_calls
 
 __all__ = ["absorb_copies_pass"]
 

@@ -16,7 +16,7 @@ and for gradients (each ``g_i`` already padded to ``W * m_i``)::
 
     fsdp.pack_rows([g_1..g_k], W) -> reduce_scatter_tensor -> wait_tensor -> [off_i : off_i + m_i]
 
-(one op for each copy, NOTE [bucket copies] in ``copies.py``)
+(one op for each copy, NOTE [bucket copies] in ``graph_ops.py``)
 
 and, for HSDP, the all-reduces across replicas likewise (``cat -> all_reduce -> wait -> split``).
 
@@ -48,11 +48,18 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, fx
 
-from .copies import flatten_shapes  # (and registers the fsdp::* copy ops)
-from .flat import flat_piece, tag_pieces
-from .order import reorder
-from .predicates import fsdp_meta, is_all_gather, is_all_reduce, is_reduce_scatter, tensor_bytes, wait_of
-from .splice import splice
+from ..graph_ops import flatten_shapes  # (and registers the fsdp::* copy ops)
+from ..order import reorder
+from ..predicates import (
+    flat_piece,
+    fsdp_meta,
+    is_all_gather,
+    is_all_reduce,
+    is_reduce_scatter,
+    tensor_bytes,
+    wait_of,
+)
+from ..splice import splice
 
 __all__ = ["bucket_pass", "splice_gather_bucket", "splice_reduce_bucket"]
 
@@ -134,7 +141,7 @@ def _gather_bucket(world: int, group: str, sizes: Sequence[int], rank: int | Non
 
 def _gathers_as_is(shards: Sequence[Tensor], dtype: torch.dtype, n: int) -> bool:
     """NOTE [a flat gathers as it is]: a bucket whose one member is a contiguous shard already in the
-    gather's dtype and of the bucket's size (a unit's flat shard, NOTE [flat shards] in ``flat.py``) is
+    gather's dtype and of the bucket's size (a unit's flat shard, NOTE [flat shards] in ``capture/group_markers.py``) is
     gathered straight from that shard, out of place. The in-place gather exists to keep a packed copy
     from living beside the output (NOTE [in-place all-gather]); here the input is the persistent shard,
     which lives anyway, so packing would only add a copy kernel on the compute stream (and two nodes per
@@ -166,7 +173,8 @@ def _scatter_bucket(world: int, group: str, sizes: Sequence[int], dtype: torch.d
 def _finish(out: Tensor, sizes: Sequence[int], divisor: object, out_dtype: torch.dtype,
             shapes: Sequence[Sequence[int]] | None) -> list[Tensor]:
     """One average and one cast for the whole bucket, then each member's piece in its own shape
-    (``shapes`` ``None``: the bucket whole, a flat shard's gradient, NOTE [flat shards] in ``flat.py``)."""
+    (``shapes`` ``None``: the bucket whole, a flat shard's gradient, NOTE [flat shards] in
+    ``capture/group_markers.py``)."""
     if divisor is not None:
         out = out / divisor
     if out.dtype != out_dtype:
@@ -221,9 +229,9 @@ def splice_reduce_bucket(graph: fx.Graph, grads: Sequence[fx.Node], *, before: f
 
 
 def _flat_order(members: list[fx.Node], gather: bool) -> tuple[list[fx.Node], fx.Node | None]:
-    """NOTE [flat shards] in ``flat.py``: members that are the pieces of one flat shard, all of them, in
-    the flat's order, and the flat (the bucket then packs it whole: no view of it left in the graph); for
-    gradients, members whose results are scattered into one flat's gradient, in its order (``tiles.py``
+    """NOTE [flat shards] in ``capture/group_markers.py``: members that are the pieces of one flat shard,
+    all of them, in the flat's order, and the flat (the bucket then packs it whole: no view of it left in
+    the graph); for gradients, members whose results are scattered into one flat's gradient, in its order (``tiles.py``
     then takes the bucket's output whole), and ``None``. Else ``members`` as they are, and ``None``."""
     if gather:
         pieces = [flat_piece(_member_source(m)) for m in members]
@@ -358,6 +366,29 @@ def bucket_pass(gm: fx.GraphModule, *, rank_of: Callable[[str], int] | None = No
     for members in _groups(gm, is_all_reduce):  # HSDP: across replicas, after the reduce-scatter
         if len(members) > 1:
             _merge(gm, members, gather=False, hoist=hoist)
-    tag_pieces(gm, [n for n in gm.graph.nodes if is_all_gather(n)])  # NOTE [flat shards] in flat.py
+    tag_pieces(gm, [n for n in gm.graph.nodes if is_all_gather(n)])  # NOTE [flat shards] in capture/group_markers.py
     reorder(gm.graph, before=hoist)
     return gm
+
+
+def tag_pieces(gm: fx.GraphModule, launches: Sequence[fx.Node]) -> None:
+    """Each piece of a flat shard that only a collective's packing reads (``narrow`` / ``slice`` and
+    ``view`` of a graph input) gets that collective's annotations: it is part of the collective's prologue
+    then, and moves with it (``schedule/prefetch.py``), as the packing of a shard read directly does."""
+    for launch in launches:
+        meta = launch.meta.get("fsdp")
+        if not meta:
+            continue
+        stack = list(launch.all_input_nodes)
+        while stack:
+            node = stack.pop()
+            tagged = node.meta.get("fsdp", {})
+            if tagged.get("kind") == meta.get("kind") and tagged.get("unit") == meta.get("unit"):
+                stack.extend(node.all_input_nodes)  # (the collective's own packing)
+                continue
+            piece = flat_piece(node)
+            if piece is None or tagged or any(len(n.users) != 1 for n in piece[3]):
+                continue
+            for n in piece[3]:
+                n.meta["fsdp"] = {k: v for k, v in meta.items() if k in ("kind", "unit", "ag_group", "rs_group")}
+

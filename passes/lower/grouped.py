@@ -1,8 +1,8 @@
 """Lower a grouped marker straight to its unit's bucket, without the per-parameter collectives between.
 
-NOTE [grouped lowering]: a grouped marker (NOTE [grouped markers] in ``group.py``) holds every parameter
-one outlined call reads. Split back into per-parameter markers, each is lowered to a collective of its
-own (``lower.py``) and ``bucket.py`` then merges the unit's collectives into one, erasing what lowering
+NOTE [grouped lowering]: a grouped marker (NOTE [grouped markers] in ``capture/group_markers.py``) holds
+every parameter one outlined call reads. Split back into per-parameter markers, each is lowered to a collective of its
+own (``per_param.py``) and ``bucket.py`` then merges the unit's collectives into one, erasing what lowering
 made: per parameter and per graph a splice and its fake values built only to be thrown away, the larger
 part of our passes' time for a deep model. When the grouped marker is all of its unit in the graph, it
 becomes the bucket at once::
@@ -29,11 +29,17 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from ..graph_ops import NAMES_SEP, numel, unflatten_shapes
+from ..predicates import (
+    is_flat_reduce_grad,
+    is_flat_unshard,
+    is_grouped_reduce_grad,
+    is_grouped_unshard,
+    is_reduce_grad,
+    is_unshard,
+    schema_args,
+)
 from .bucket import splice_gather_bucket, splice_reduce_bucket
-from .copies import _numel, unflatten_shapes
-from .flat import is_flat_reduce_grad, is_flat_unshard
-from .group import NAMES_SEP, is_grouped_reduce_grad, is_grouped_unshard
-from .predicates import is_reduce_grad, is_unshard, schema_args
 
 __all__ = ["lower_grouped_pass"]
 
@@ -61,7 +67,8 @@ def lower_grouped_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True,
 
 def _lower(gm: fx.GraphModule, node: fx.Node, a: dict[str, object], *, gather: bool, elide: bool,
            rank_of: Callable[[str], int] | None, alone_bytes: int | None) -> None:
-    # NOTE [flat shards] in flat.py: the flat is the bucket's one input, the reduce-scatter's output its gradient.
+    # NOTE [flat shards] in capture/group_markers.py: the flat is the bucket's one input, the reduce-scatter's
+    # output its gradient.
     flat = is_flat_unshard(node) or is_flat_reduce_grad(node)
     inputs = [a["flat"]] if is_flat_unshard(node) else list(a["shards" if gather else "grads"])  # type: ignore[call-overload]
     world = int(a["world_size"])  # type: ignore[call-overload]
@@ -83,7 +90,7 @@ def _lower(gm: fx.GraphModule, node: fx.Node, a: dict[str, object], *, gather: b
     (dtype,) = dtypes
     # Each member's collective input: its shard (gather), or its full gradient padded to ``world`` shards.
     if flat and gather:
-        sizes = [_numel(s) for s in shard_shapes]
+        sizes = [numel(s) for s in shard_shapes]
     else:
         sizes = [int(v.numel()) if gather else math.prod(shape) for v, shape in zip(vals, shapes)]
     width = torch.empty((), dtype=dtype).element_size()

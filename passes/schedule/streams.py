@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from .predicates import fsdp_meta, is_collective, is_wait, waited_collective
+from ..predicates import fsdp_meta, is_collective, is_wait, waited_collective
 
 __all__ = ["streams_pass", "stream_of_launch", "check_streams"]
 

@@ -1,6 +1,6 @@
 """A gradient summed from pieces that tile it: their ``cat``, or the tensor they are pieces of.
 
-NOTE [tiled gradients]: a flat shard read as pieces (NOTE [flat shards] in ``flat.py``) outside a
+NOTE [tiled gradients]: a flat shard read as pieces (NOTE [flat shards] in ``capture/group_markers.py``) outside a
 grouped marker (the root unit, an inlined block) gets from AOTAutograd the gradient of each piece
 scattered into zeros and summed::
 
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, fx
 
-from .copies import _numel
-from .splice import splice
+from ..graph_ops import numel
+from ..splice import splice
 
 __all__ = ["tiles_pass"]
 
@@ -80,7 +80,7 @@ def _whole(sources: Sequence[fx.Node], total: int) -> fx.Node | None:
             base = of
         if of is not base or start != offset or list(stride) != _contiguous(shape):  # type: ignore[arg-type]
             return None
-        offset += _numel(shape)  # type: ignore[arg-type]
+        offset += numel(shape)  # type: ignore[arg-type]
     val = _val(base)
     if (not isinstance(base, fx.Node) or not isinstance(val, Tensor) or val.dim() != 1 or val.numel() != total
             or offset != total or val.storage_offset() != 0 or not val.is_contiguous()):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, fx
 
-from .predicates import ReduceGradArgs, UnshardArgs, is_reduce_grad, is_unshard
-from .splice import splice
+from ..predicates import ReduceGradArgs, UnshardArgs, is_reduce_grad, is_unshard
+from ..splice import splice
 
 __all__ = ["lower_unshard_pass", "lower_reduce_grad_pass", "gather_flat", "scatter_flat"]
 

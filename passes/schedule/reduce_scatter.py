@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from .order import positions, reorder
-from .regions import Region, regions
+from ..collective_regions import Region, regions
+from ..order import positions, reorder
 
 __all__ = ["reduce_scatter_pass"]
 

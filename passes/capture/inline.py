@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from torch import fx
 
-from .hoist import subgraph_calls
+from ..subgraphs import subgraph_calls
 
-__all__ = ["holds", "inline_subgraphs_pass"]
+__all__ = ["inline_subgraphs_pass"]
 
 
 def _inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule) -> None:
@@ -69,14 +69,3 @@ def inline_subgraphs_pass(gm: fx.GraphModule, *,
     gm.recompile()
     return gm
 
-
-def holds(body: fx.GraphModule, predicate: Callable[[fx.Node], bool]) -> bool:
-    """Whether any node of ``body`` (or of a body nested in it) matches ``predicate``."""
-    for node in body.graph.nodes:
-        if predicate(node):
-            return True
-        if node.op == "get_attr":
-            inner = getattr(body, str(node.target), None)
-            if isinstance(inner, fx.GraphModule) and holds(inner, predicate):
-                return True
-    return False

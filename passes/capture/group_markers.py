@@ -1,0 +1,162 @@
+"""One marker per call of an outlined body while AOTAutograd traces, the per-parameter markers again after.
+
+NOTE [grouped markers]: AOTAutograd's trace costs about the same per op whatever the op does (on the
+CPU here a marker's forward and backward cost what a multiply's do), and once blocks are outlined
+(NOTE [outlined units] in ``fsdp_compile/module.py``) the per-parameter markers are most of what it
+traces per block: nine ``fsdp::unshard`` before each call of a Llama block and nine ``fsdp::reduce_grad``
+after its backward, against one call each way. So just before AOTAutograd, the markers that gather the
+parameters one call reads become one ``fsdp::unshard_many`` (:func:`group_markers_pass`), whose
+backward is one ``fsdp::reduce_grad_many``; in each graph AOTAutograd hands on, a grouped op that is all
+of its unit becomes the unit's bucket at once (NOTE [grouped lowering] in ``lower/grouped.py``) and any
+other is split back into the per-parameter markers, with the same arguments and in the same order
+(``expand_markers_pass`` in ``lower/expand_markers.py``), so the passes see what they always saw::
+
+    before:  w_a = unshard(s_a, [d, d], ..., "layers.0.wq", ...); w_b = unshard(s_b, ...); invoke_subgraph(body, x, w_a, w_b)
+    grouped: ws = unshard_many([s_a, s_b], [d, d, ...], [2, ...], "layers.0.wq\\nlayers.0.wk", ...)
+             invoke_subgraph(body, x, ws[0], ws[1])
+
+The grouped ops carry the per-parameter markers' arguments: the shapes flattened (``flatten_shapes``),
+the names joined by ``NAMES_SEP`` (an op's schema takes no nested int lists and no string lists), every
+other argument shared. The ops are ``passes/graph_ops.py``'s; their eager implementations call the
+per-parameter markers.
+
+NOTE [flat shards]: ``fully_shard`` lays a unit's shards out as one flat tensor per rank (every shard a
+view of it, in the unit's order; ``fsdp_compile/flat.py``) and a compiled read of parameter ``i`` is the
+marker on a piece of it, ``unshard(flat.narrow(0, off_i, n_i).view(shape_i), ...)``: Dynamo then takes
+one input per unit, not one per parameter. When one outlined call reads every piece of a flat, its
+markers become one ``fsdp::unshard_flat`` of the flat itself (:func:`group_flat`), whose backward is
+one ``fsdp::reduce_grad_flat`` returning the flat's gradient::
+
+    w_a = unshard(view(narrow(flat, 0, 0, n_a), s_a), ...); w_b = unshard(view(narrow(flat, 0, n_a, n_b), s_b), ...)
+    -> ws = unshard_flat(flat, [s_a, s_b], [full_a, full_b], "a\\nb", ...); w_a = ws[0]; w_b = ws[1]
+
+So the all-gather packs the flat in one copy, and the reduce-scatter's output *is* the flat's gradient,
+where AOTAutograd would otherwise rebuild it from the pieces' gradients (a zero tensor and a
+``slice_scatter`` and an add per piece). Lowered at once to the unit's bucket where the grouped path
+applies (``lower/grouped.py``), else split back (``expand_flat`` in ``lower/expand_markers.py``) into the
+per-parameter markers on views of the flat and a ``cat`` of their gradients.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, fx
+
+from ..graph_ops import NAMES_SEP, flatten_shapes
+from ..predicates import UnshardArgs, flat_piece, is_unshard
+
+__all__ = ["group_markers_pass"]
+
+_SHARED = ("world_size", "unit", "ag_group", "rs_group", "replicate_group", "replicate_size", "reshard",
+           "param_dtype", "reduce_dtype")
+
+
+
+def _groupable(marker: fx.Node, call: fx.Node) -> bool:
+    """A named marker, without an accumulator, that only this call reads, of a shard that is a graph
+    input with a value (defined before any marker, so the group can stand where the call's first
+    marker stood), or a piece of one (NOTE [flat shards])."""
+    a = UnshardArgs.of(marker)
+    return (a.accumulate is None and NAMES_SEP not in a.name
+            and (a.shard.op == "placeholder" or flat_piece(a.shard) is not None)
+            and isinstance(_value(a.shard), Tensor) and all(u is call for u in marker.users))
+
+
+
+def _value(node: fx.Node) -> object:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+
+def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """NOTE [grouped markers]: the markers each ``invoke_subgraph`` call reads (of one unit, with every
+    argument but the shard, the shape and the name alike) become one ``fsdp::unshard_many``."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for call in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        groups: dict[tuple, list[fx.Node]] = {}
+        for arg in dict.fromkeys(a for a in call.args[2:] if isinstance(a, fx.Node)):
+            if is_unshard(arg) and _groupable(arg, call):
+                a = UnshardArgs.of(arg)
+                key = (*(getattr(a, k) for k in _SHARED), _value(a.shard).dtype)  # type: ignore[union-attr]
+                groups.setdefault(key, []).append(arg)
+        for key, markers in groups.items():
+            if len(markers) > 1 and group_flat(gm, markers, order, list(key[:-1])):  # NOTE [flat shards]
+                changed = True
+            elif len(markers) > 1 and all(UnshardArgs.of(m).shard.op == "placeholder" for m in markers):
+                _group(gm, markers, order)
+                changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+
+def _group(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.Node, int]) -> None:
+    args = [UnshardArgs.of(m) for m in markers]
+    ranks, dims = flatten_shapes([a.full_shape for a in args])
+    first = min(markers, key=lambda m: order[m])
+    shared = [getattr(args[0], k) for k in _SHARED]
+    with gm.graph.inserting_before(first):
+        many = gm.graph.call_function(torch.ops.fsdp.unshard_many.default,
+                                      ([a.shard for a in args], ranks, dims, NAMES_SEP.join(a.name for a in args),
+                                       *shared))
+    values = [m.meta.get("example_value") for m in markers]
+    if all(v is not None for v in values):
+        many.meta["example_value"] = list(values)
+    many.meta["stack_trace"] = first.meta.get("stack_trace")
+    for i, marker in enumerate(markers):
+        with gm.graph.inserting_after(many):
+            item = gm.graph.call_function(operator.getitem, (many, i))
+        item.meta.update(marker.meta)
+        marker.replace_all_uses_with(item)
+        gm.graph.erase_node(marker)
+
+
+
+def group_flat(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.Node, int], shared: list[object]) -> bool:
+    """NOTE [flat shards]: when ``markers`` (one outlined call's, of one unit, ``shared`` arguments alike)
+    read pieces that tile one flat shard, replace them by one ``fsdp::unshard_flat`` of the flat; returns
+    whether it did."""
+    pieces = [flat_piece(UnshardArgs.of(m).shard) for m in markers]
+    if any(p is None for p in pieces) or len({p[0] for p in pieces}) != 1:  # type: ignore[index]
+        return False
+    ordered = sorted(zip(pieces, markers), key=lambda pm: pm[0][1])  # type: ignore[index]
+    base = pieces[0][0]  # type: ignore[index]
+    offset = 0
+    for (_, start, n, _), _ in ordered:  # type: ignore[misc]
+        if start != offset:
+            return False
+        offset += n
+    if offset != base.meta.get("example_value", base.meta.get("val")).numel():
+        return False
+    args = [UnshardArgs.of(m) for _, m in ordered]
+    shard_ranks, shard_dims = flatten_shapes([list(a.shard.meta.get("example_value", a.shard.meta.get("val")).shape)
+                                              for a in args])
+    ranks, dims = flatten_shapes([a.full_shape for a in args])
+    first = min(markers, key=lambda m: order[m])
+    with gm.graph.inserting_before(first):
+        flat = gm.graph.call_function(torch.ops.fsdp.unshard_flat.default,
+                                      (base, shard_ranks, shard_dims, ranks, dims, NAMES_SEP.join(a.name for a in args),
+                                       *shared))
+    values = [m.meta.get("example_value") for _, m in ordered]
+    if all(v is not None for v in values):
+        flat.meta["example_value"] = list(values)
+    flat.meta["stack_trace"] = first.meta.get("stack_trace")
+    dead: list[fx.Node] = []
+    for i, (piece, marker) in enumerate(ordered):
+        with gm.graph.inserting_after(flat):
+            item = gm.graph.call_function(operator.getitem, (flat, i))
+        item.meta.update(marker.meta)
+        marker.replace_all_uses_with(item)
+        gm.graph.erase_node(marker)
+        dead.extend(reversed(piece[3]))  # type: ignore[index]
+    for node in dead:
+        if not node.users:
+            gm.graph.erase_node(node)
+    return True
+

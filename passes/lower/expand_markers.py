@@ -1,0 +1,107 @@
+"""Split grouped markers back into per-parameter markers, in each graph AOTAutograd hands on.
+
+NOTE [grouped markers] (``capture/group_markers.py``): the markers one outlined call reads became one
+``fsdp::unshard_many`` (or ``fsdp::unshard_flat`` of a flat shard, NOTE [flat shards]) for AOTAutograd's
+trace; a grouped marker that the grouped lowering (``grouped.py``) did not take is split here into
+the per-parameter ``fsdp::unshard`` / ``fsdp::reduce_grad`` markers, with the same arguments and in the
+same order, so the passes that follow see what they always saw::
+
+    ws = unshard_many([s_a, s_b], ranks, dims, "a\\nb", ...); w_a = ws[0]; w_b = ws[1]
+    -> w_a = unshard(s_a, full_a, ..., "a", ...); w_b = unshard(s_b, full_b, ..., "b", ...)
+
+An ``fsdp::unshard_flat``'s markers read views of the flat, and an ``fsdp::reduce_grad_flat`` becomes
+the per-parameter reductions and a ``cat`` of their gradients.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..graph_ops import NAMES_SEP, flat_pieces, unflatten_shapes
+from ..predicates import (
+    is_flat_reduce_grad,
+    is_flat_unshard,
+    is_grouped_reduce_grad,
+    is_grouped_unshard,
+)
+from ..splice import splice
+
+__all__ = ["expand_markers_pass"]
+
+
+def expand_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """NOTE [grouped markers]: each ``fsdp::unshard_many`` and ``fsdp::reduce_grad_many`` of an
+    AOTAutograd graph split back into its per-parameter ``fsdp::unshard`` / ``fsdp::reduce_grad``."""
+    for node in [n for n in gm.graph.nodes if is_flat_unshard(n) or is_flat_reduce_grad(n)]:
+        expand_flat(gm, node)  # NOTE [flat shards]
+    grouped = [n for n in gm.graph.nodes if is_grouped_unshard(n) or is_grouped_reduce_grad(n)]
+    for node in grouped:
+        unshard = is_grouped_unshard(node)
+        (inputs, ranks, dims, names, *rest) = node.args
+        shapes = unflatten_shapes(ranks, dims)  # type: ignore[arg-type]
+        target = torch.ops.fsdp.unshard.default if unshard else torch.ops.fsdp.reduce_grad.default
+        items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        assert len(items) == len(node.users), f"{node.name}: read other than by index"
+        vals = node.meta.get("val")
+        for i, (x, shape, name) in enumerate(zip(inputs, shapes, str(names).split(NAMES_SEP))):  # type: ignore[arg-type]
+            item = items.get(i)
+            if item is None:
+                continue  # nothing reads this one
+            # unshard(shard, full_shape, world, unit, name, ...); reduce_grad(grad, shard_shape, world, unit, name, ...)
+            world, unit, *tail = rest
+            with gm.graph.inserting_before(node):
+                single = gm.graph.call_function(target, (x, shape, world, unit, name, *tail))
+            single.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            single.meta["val"] = item.meta["val"] if "val" in item.meta else vals[i]  # type: ignore[index]
+            item.replace_all_uses_with(single)
+            gm.graph.erase_node(item)
+        gm.graph.erase_node(node)
+    return gm  # (not recompiled: the passes that follow recompile it)
+
+
+
+def expand_flat(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Split an ``fsdp::unshard_flat`` back into per-parameter ``fsdp::unshard`` markers on views of the flat,
+    or an ``fsdp::reduce_grad_flat`` into per-parameter ``fsdp::reduce_grad`` markers and a ``cat``."""
+    if is_flat_unshard(node):
+        (flat, shard_ranks, shard_dims, ranks, dims, names, *rest) = node.args
+        shard_shapes = unflatten_shapes(shard_ranks, shard_dims)  # type: ignore[arg-type]
+        pieces = splice(gm.graph, lambda f: flat_pieces(f, shard_shapes), [flat], before=node)  # type: ignore[list-item]
+        items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        assert len(items) == len(node.users), f"{node.name}: read other than by index"
+        world, unit, *tail = rest
+        for i, (piece, shape, name) in enumerate(zip(pieces, unflatten_shapes(ranks, dims), str(names).split(NAMES_SEP))):  # type: ignore[arg-type]
+            item = items.get(i)
+            if item is None:
+                continue
+            with gm.graph.inserting_before(node):
+                single = gm.graph.call_function(torch.ops.fsdp.unshard.default,
+                                                (piece, shape, world, unit, name, *tail, None))
+            single.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            single.meta["val"] = item.meta["val"]
+            item.replace_all_uses_with(single)
+            gm.graph.erase_node(item)
+        gm.graph.erase_node(node)
+        stack = list(pieces)
+        while stack:  # the pieces nothing reads, and their narrows
+            piece = stack.pop()
+            if not piece.users and piece.op == "call_function":
+                stack.extend(i for i in piece.all_input_nodes if i is not flat)
+                gm.graph.erase_node(piece)
+        return
+    (grads, shard_ranks, shard_dims, names, world, unit, *tail) = node.args
+    singles = []
+    for g, shape, name in zip(grads, unflatten_shapes(shard_ranks, shard_dims), str(names).split(NAMES_SEP)):  # type: ignore[arg-type]
+        with gm.graph.inserting_before(node):
+            single = gm.graph.call_function(torch.ops.fsdp.reduce_grad.default, (g, shape, world, unit, name, *tail))
+        single.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        val = node.meta["val"]
+        single.meta["val"] = val.new_empty(shape)
+        singles.append(single)
+    (cat,) = splice(gm.graph, lambda *gs: [torch.cat([g.reshape(-1) for g in gs])], singles, before=node)
+    node.replace_all_uses_with(cat)
+    gm.graph.erase_node(node)
+

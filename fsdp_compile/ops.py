@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from passes.graph_ops import REDUCE_GRAD_ARGS, UNSHARD_ARGS, by_name, in_order
 
 __all__ = ["ANONYMOUS_UNIT", "unshard", "reduce_grad", "reduce_full_grad", "shard_rows"]
 
@@ -60,6 +63,8 @@ def _dim0(shape: list[int]) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+# The two signatures below are NOTE [one marker spec] (``passes/graph_ops.py``), which the grouped
+# markers and the passes follow; tests/test_passes_grouped.py checks that they agree.
 @torch.library.custom_op(f"{_NAMESPACE}::unshard", mutates_args=())
 def unshard(
     shard: Tensor,
@@ -109,52 +114,27 @@ def _gather_eagerly(x: Tensor, world_size: int, group: str, name: str) -> Tensor
 
 
 @unshard.register_fake
-def _unshard_fake(
-    shard: Tensor,
-    full_shape: list[int],
-    world_size: int,
-    unit: int,
-    name: str,
-    ag_group: str,
-    rs_group: str,
-    replicate_group: str,
-    replicate_size: int,
-    reshard: bool,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    accumulate: Tensor | None = None,
-) -> Tensor:
-    return shard.new_empty(full_shape, dtype=param_dtype or shard.dtype)
+def _unshard_fake(shard: Tensor, full_shape: list[int], *args: object) -> Tensor:
+    param_dtype = by_name(UNSHARD_ARGS, (shard, full_shape, *args))["param_dtype"]
+    return shard.new_empty(full_shape, dtype=param_dtype or shard.dtype)  # type: ignore[arg-type]
 
 
-def _unshard_setup_context(ctx: object, inputs: tuple, output: Tensor) -> None:
-    ctx.args = inputs[1:-1]  # type: ignore[attr-defined]
-    ctx.accumulate = inputs[-1] is not None  # type: ignore[attr-defined]
-    ctx.shard_shape = list(inputs[0].shape)  # type: ignore[attr-defined]
-    ctx.shard_dtype = inputs[0].dtype  # type: ignore[attr-defined]
+def _unshard_setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    args = by_name(UNSHARD_ARGS, inputs)
+    shard = args.pop("shard")
+    ctx.accumulate = args.pop("accumulate", None) is not None
+    ctx.args = args  # (no tensor among them)
+    ctx.shard_shape = list(shard.shape)
+    ctx.shard_dtype = shard.dtype
 
 
-def _unshard_backward(ctx: object, grad: Tensor) -> tuple:
-    n_args = len(ctx.args)  # type: ignore[attr-defined]
-    if ctx.accumulate:  # type: ignore[attr-defined]
+def _unshard_backward(ctx: Any, grad: Tensor) -> tuple:
+    no_grads = (None,) * (len(UNSHARD_ARGS) - 1)
+    if ctx.accumulate:
         # No communication: the full gradient goes to the accumulation leaf, in the shard's dtype.
-        return (None,) + (None,) * n_args + (grad.to(ctx.shard_dtype),)  # type: ignore[attr-defined]
-    (full_shape, world_size, unit, name, ag_group, rs_group, replicate_group, replicate_size, _reshard,
-     _param_dtype, reduce_dtype) = ctx.args  # type: ignore[attr-defined]
-    shard_grad = reduce_grad(
-        grad,
-        ctx.shard_shape,  # type: ignore[attr-defined]
-        world_size,
-        unit,
-        name,
-        ag_group,
-        rs_group,
-        replicate_group,
-        replicate_size,
-        reduce_dtype,
-        ctx.shard_dtype,  # type: ignore[attr-defined]
-    )
-    return (shard_grad,) + (None,) * n_args + (None,)
+        return no_grads + (grad.to(ctx.shard_dtype),)
+    values = {**ctx.args, "grad": grad, "shard_shape": ctx.shard_shape, "out_dtype": ctx.shard_dtype}
+    return (reduce_grad(*in_order(REDUCE_GRAD_ARGS, **values)),) + no_grads
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -221,6 +201,6 @@ def reduce_full_grad(
 
 @reduce_grad.register_fake
 def _reduce_grad_fake(grad: Tensor, shard_shape: list[int], *args: object) -> Tensor:
-    out_dtype = args[-1]
+    out_dtype = by_name(REDUCE_GRAD_ARGS, (grad, shard_shape, *args))["out_dtype"]
     assert isinstance(out_dtype, torch.dtype)
     return grad.new_empty(shard_shape, dtype=out_dtype)

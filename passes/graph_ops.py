@@ -1,10 +1,11 @@
 """The ``fsdp::`` ops that the passes put into graphs; the two per-parameter markers they start from,
 ``fsdp::unshard`` and ``fsdp::reduce_grad``, are ``fsdp_compile/ops.py``'s.
 
+- The markers' arguments, once (NOTE [one marker spec] below), which every marker op follows.
 - Grouped markers: ``unshard_many`` / ``reduce_grad_many`` (NOTE [grouped markers] in
   ``capture/group_markers.py``) and ``unshard_flat`` / ``reduce_grad_flat`` (NOTE [flat shards], same
-  file): one op for every parameter one outlined call reads; their eager implementations call the
-  per-parameter markers.
+  file): one op for every parameter one outlined call reads, defined from the spec; their eager
+  implementations call the per-parameter markers.
 - Bucket copies: ``pack_shards``, ``copy_out_rows``, ``pack_rows`` (NOTE [bucket copies] below): one op
   per copy into or out of a unit's bucket.
 
@@ -15,12 +16,14 @@ An op's schema takes no nested int lists and no string lists: shapes travel flat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["NAMES_SEP", "copy_out_rows", "flat_pieces", "flatten_shapes", "numel", "pack_rows", "pack_shards",
-           "reduce_grad_flat", "reduce_grad_many", "unflatten_shapes", "unshard_flat", "unshard_many"]
+__all__ = ["NAMES_SEP", "REDUCE_GRAD_ARGS", "REDUCE_GRAD_SHARED", "UNSHARD_ARGS", "UNSHARD_SHARED", "arg_names",
+           "by_name", "copy_out_rows", "flat_pieces", "flatten_shapes", "in_order", "numel", "pack_rows", "pack_shards",
+           "unflatten_shapes"]
 
 NAMES_SEP = "\n"  # between the names a grouped marker carries (a name holding it is never grouped)
 
@@ -47,123 +50,155 @@ def numel(shape: Sequence[int]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# The markers' arguments
+# ---------------------------------------------------------------------------------------------
+
+Spec = tuple[tuple[str, str], ...]  # (name, schema type) of each argument, in order
+
+# NOTE [one marker spec]: the arguments of the two markers, written once. ``fsdp_compile/ops.py`` defines
+# ``fsdp::unshard`` and ``fsdp::reduce_grad`` with Python signatures (``torch.library.custom_op`` reads
+# them; tests/test_passes_grouped.py checks them against these); the grouped markers below take the
+# per-parameter arguments as lists and the ``*_SHARED`` ones once, their schemas built from here; the
+# fakes, backwards and passes read arguments by these names (``by_name``, ``in_order``,
+# ``predicates.UnshardArgs``).
+UNSHARD_ARGS: Spec = (
+    ("shard", "Tensor"), ("full_shape", "SymInt[]"), ("world_size", "SymInt"), ("unit", "SymInt"), ("name", "str"),
+    ("ag_group", "str"), ("rs_group", "str"), ("replicate_group", "str"), ("replicate_size", "SymInt"),
+    ("reshard", "bool"), ("param_dtype", "ScalarType?"), ("reduce_dtype", "ScalarType?"),
+    ("accumulate", "Tensor?"),  # (default None: gradient accumulation without communication)
+)
+REDUCE_GRAD_ARGS: Spec = (
+    ("grad", "Tensor"), ("shard_shape", "SymInt[]"), ("world_size", "SymInt"), ("unit", "SymInt"), ("name", "str"),
+    ("ag_group", "str"), ("rs_group", "str"), ("replicate_group", "str"), ("replicate_size", "SymInt"),
+    ("reduce_dtype", "ScalarType?"), ("out_dtype", "ScalarType"),
+)
+_PER_PARAM = {"shard", "full_shape", "grad", "shard_shape", "name", "accumulate"}
+UNSHARD_SHARED: Spec = tuple(a for a in UNSHARD_ARGS if a[0] not in _PER_PARAM)  # one value per grouped marker
+REDUCE_GRAD_SHARED: Spec = tuple(a for a in REDUCE_GRAD_ARGS if a[0] not in _PER_PARAM)
+
+
+def arg_names(spec: Spec) -> tuple[str, ...]:
+    return tuple(name for name, _ in spec)
+
+
+def by_name(spec: Spec, args: Sequence[object]) -> dict[str, object]:
+    """An op's positional arguments by their names in ``spec``."""
+    return dict(zip(arg_names(spec), args))
+
+
+def in_order(spec: Spec, **values: object) -> tuple[object, ...]:
+    """An op's positional arguments in ``spec``'s order, taken from ``values`` by name (others ignored)."""
+    return tuple(values[name] for name in arg_names(spec))
+
+
+def _define(qualname: str, per_param: str, shared: Spec, returns: str) -> None:
+    """Define a grouped marker: its per-parameter arguments, then ``shared``, as one schema."""
+    args = ", ".join([per_param, *(f"{type_} {name}" for name, type_ in shared)])
+    torch.library.define(qualname, f"({args}) -> {returns}", tags=(torch.Tag.pt2_compliant_tag,))
+
+
+# ---------------------------------------------------------------------------------------------
 # Grouped markers: every parameter one call reads
 # ---------------------------------------------------------------------------------------------
 
+_define("fsdp::unshard_many", "Tensor[] shards, SymInt[] ranks, SymInt[] dims, str names", UNSHARD_SHARED, "Tensor[]")
+_define("fsdp::reduce_grad_many", "Tensor[] grads, SymInt[] ranks, SymInt[] dims, str names", REDUCE_GRAD_SHARED,
+        "Tensor[]")
+_define("fsdp::unshard_flat",
+        "Tensor flat, SymInt[] shard_ranks, SymInt[] shard_dims, SymInt[] ranks, SymInt[] dims, str names",
+        UNSHARD_SHARED, "Tensor[]")
+_define("fsdp::reduce_grad_flat", "Tensor[] grads, SymInt[] shard_ranks, SymInt[] shard_dims, str names",
+        REDUCE_GRAD_SHARED, "Tensor")
 
-@torch.library.custom_op("fsdp::unshard_many", mutates_args=())
-def unshard_many(
-    shards: list[Tensor],
-    ranks: list[int],
-    dims: list[int],
-    names: str,
-    world_size: int,
-    unit: int,
-    ag_group: str,
-    rs_group: str,
-    replicate_group: str,
-    replicate_size: int,
-    reshard: bool,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-) -> list[Tensor]:
+
+def _unshard_each(shards: Sequence[Tensor], shapes: Sequence[list[int]], names: str,
+                  shared: Sequence[object]) -> list[Tensor]:
+    common = by_name(UNSHARD_SHARED, shared)
+    return [torch.ops.fsdp.unshard(*in_order(UNSHARD_ARGS, shard=s, full_shape=shape, name=name, accumulate=None,
+                                             **common))
+            for s, shape, name in zip(shards, shapes, names.split(NAMES_SEP))]
+
+
+def _reduce_each(grads: Sequence[Tensor], shapes: Sequence[list[int]], names: str,
+                 shared: Sequence[object]) -> list[Tensor]:
+    common = by_name(REDUCE_GRAD_SHARED, shared)
+    return [torch.ops.fsdp.reduce_grad(*in_order(REDUCE_GRAD_ARGS, grad=g, shard_shape=shape, name=name, **common))
+            for g, shape, name in zip(grads, shapes, names.split(NAMES_SEP))]
+
+
+def _full_or_zeros(grads: Sequence[Tensor | None], full: Sequence[tuple[list[int], torch.dtype]],
+                   device: torch.device) -> list[Tensor]:
+    # A parameter the call never read has no gradient: zeros, which reduce to its zero gradient.
+    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype) in zip(grads, full)]
+
+
+@torch.library.impl("fsdp::unshard_many", "CompositeExplicitAutograd")
+def unshard_many(shards: list[Tensor], ranks: list[int], dims: list[int], names: str, *shared: object) -> list[Tensor]:
     """``fsdp::unshard`` of each shard: ``shards[i]`` is the parameter ``names.split(NAMES_SEP)[i]`` of
-    full shape ``unflatten_shapes(ranks, dims)[i]``; the other arguments are shared."""
-    return [torch.ops.fsdp.unshard(s, shape, world_size, unit, name, ag_group, rs_group, replicate_group,
-                                   replicate_size, reshard, param_dtype, reduce_dtype, None)
-            for s, shape, name in zip(shards, unflatten_shapes(ranks, dims), names.split(NAMES_SEP))]
+    full shape ``unflatten_shapes(ranks, dims)[i]``; ``shared``: the ``UNSHARD_SHARED`` arguments."""
+    return _unshard_each(shards, unflatten_shapes(ranks, dims), names, shared)
 
 
-@unshard_many.register_fake
-def _unshard_many_fake(shards: list[Tensor], ranks: list[int], dims: list[int], *args: object) -> list[Tensor]:
-    param_dtype = args[-2]
+@torch.library.register_fake("fsdp::unshard_many")
+def _unshard_many_fake(shards: list[Tensor], ranks: list[int], dims: list[int], names: str,
+                       *shared: object) -> list[Tensor]:
+    param_dtype = by_name(UNSHARD_SHARED, shared)["param_dtype"]
     return [s.new_empty(shape, dtype=param_dtype or s.dtype)  # type: ignore[arg-type]
             for s, shape in zip(shards, unflatten_shapes(ranks, dims))]
 
 
-def _unshard_many_setup(ctx: object, inputs: tuple, output: list[Tensor]) -> None:
-    (shards, ranks, dims, names, world_size, unit, ag_group, rs_group, replicate_group, replicate_size,
-     _reshard, param_dtype, reduce_dtype) = inputs
-    ctx.full = [(shape, param_dtype or s.dtype) for s, shape in zip(shards, unflatten_shapes(ranks, dims))]  # type: ignore[attr-defined]
-    ctx.shard_shapes = flatten_shapes([s.shape for s in shards])  # type: ignore[attr-defined]
-    ctx.device = shards[0].device  # type: ignore[attr-defined]
-    ctx.out_dtype = shards[0].dtype  # type: ignore[attr-defined]
-    ctx.args = (names, world_size, unit, ag_group, rs_group, replicate_group, replicate_size, reduce_dtype)  # type: ignore[attr-defined]
+def _unshard_many_setup(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
+    shards, ranks, dims, names, *shared = inputs
+    common = by_name(UNSHARD_SHARED, shared)
+    ctx.full = [(shape, common["param_dtype"] or s.dtype) for s, shape in zip(shards, unflatten_shapes(ranks, dims))]
+    ctx.shard_shapes = flatten_shapes([s.shape for s in shards])
+    ctx.device = shards[0].device
+    ctx.reduce_args = (names, *in_order(REDUCE_GRAD_SHARED, **common, out_dtype=shards[0].dtype))
 
 
-def _unshard_many_backward(ctx: object, grads: list[Tensor | None]) -> tuple:
-    # A parameter the call never read has no gradient: zeros, which reduce to its zero gradient.
-    full = [g if g is not None else torch.zeros(shape, dtype=dtype, device=ctx.device)  # type: ignore[attr-defined]
-            for g, (shape, dtype) in zip(grads, ctx.full)]  # type: ignore[attr-defined]
-    ranks, dims = ctx.shard_shapes  # type: ignore[attr-defined]
-    out = torch.ops.fsdp.reduce_grad_many(full, ranks, dims, *ctx.args, ctx.out_dtype)  # type: ignore[attr-defined]
-    return (list(out),) + (None,) * 12
+def _unshard_many_backward(ctx: Any, grads: list[Tensor | None]) -> tuple:
+    ranks, dims = ctx.shard_shapes
+    out = torch.ops.fsdp.reduce_grad_many(_full_or_zeros(grads, ctx.full, ctx.device), ranks, dims, *ctx.reduce_args)
+    return (list(out),) + (None,) * (3 + len(UNSHARD_SHARED))
 
 
-unshard_many.register_autograd(_unshard_many_backward, setup_context=_unshard_many_setup)
+torch.library.register_autograd("fsdp::unshard_many", _unshard_many_backward, setup_context=_unshard_many_setup)
 
 
-@torch.library.custom_op("fsdp::reduce_grad_many", mutates_args=())
-def reduce_grad_many(
-    grads: list[Tensor],
-    ranks: list[int],
-    dims: list[int],
-    names: str,
-    world_size: int,
-    unit: int,
-    ag_group: str,
-    rs_group: str,
-    replicate_group: str,
-    replicate_size: int,
-    reduce_dtype: torch.dtype | None,
-    out_dtype: torch.dtype,
-) -> list[Tensor]:
-    """``fsdp::reduce_grad`` of each full gradient to a shard of shape ``unflatten_shapes(ranks, dims)[i]``."""
-    return [torch.ops.fsdp.reduce_grad(g, shape, world_size, unit, name, ag_group, rs_group, replicate_group,
-                                       replicate_size, reduce_dtype, out_dtype)
-            for g, shape, name in zip(grads, unflatten_shapes(ranks, dims), names.split(NAMES_SEP))]
+@torch.library.impl("fsdp::reduce_grad_many", "CompositeExplicitAutograd")
+def reduce_grad_many(grads: list[Tensor], ranks: list[int], dims: list[int], names: str,
+                     *shared: object) -> list[Tensor]:
+    """``fsdp::reduce_grad`` of each full gradient to a shard of shape ``unflatten_shapes(ranks, dims)[i]``;
+    ``shared``: the ``REDUCE_GRAD_SHARED`` arguments."""
+    return _reduce_each(grads, unflatten_shapes(ranks, dims), names, shared)
 
 
-@reduce_grad_many.register_fake
-def _reduce_grad_many_fake(grads: list[Tensor], ranks: list[int], dims: list[int], *args: object) -> list[Tensor]:
-    out_dtype = args[-1]
-    return [g.new_empty(shape, dtype=out_dtype) for g, shape in zip(grads, unflatten_shapes(ranks, dims))]  # type: ignore[arg-type]
+@torch.library.register_fake("fsdp::reduce_grad_many")
+def _reduce_grad_many_fake(grads: list[Tensor], ranks: list[int], dims: list[int], names: str,
+                           *shared: object) -> list[Tensor]:
+    out_dtype = by_name(REDUCE_GRAD_SHARED, shared)["out_dtype"]
+    return [g.new_empty(shape, dtype=out_dtype)  # type: ignore[arg-type]
+            for g, shape in zip(grads, unflatten_shapes(ranks, dims))]
 
 
-@torch.library.custom_op("fsdp::unshard_flat", mutates_args=())
-def unshard_flat(
-    flat: Tensor,
-    shard_ranks: list[int],
-    shard_dims: list[int],
-    ranks: list[int],
-    dims: list[int],
-    names: str,
-    world_size: int,
-    unit: int,
-    ag_group: str,
-    rs_group: str,
-    replicate_group: str,
-    replicate_size: int,
-    reshard: bool,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-) -> list[Tensor]:
+@torch.library.impl("fsdp::unshard_flat", "CompositeExplicitAutograd")
+def unshard_flat(flat: Tensor, shard_ranks: list[int], shard_dims: list[int], ranks: list[int], dims: list[int],
+                 names: str, *shared: object) -> list[Tensor]:
     """``fsdp::unshard`` of each piece of the 1-D ``flat``: piece ``i`` is the next elements of ``flat``,
     of shape ``unflatten_shapes(shard_ranks, shard_dims)[i]``, the shard of the parameter
-    ``names.split("\\n")[i]`` of full shape ``unflatten_shapes(ranks, dims)[i]``; the pieces tile ``flat``."""
-    out = []
-    for piece, shape, name in zip(flat_pieces(flat, unflatten_shapes(shard_ranks, shard_dims)),
-                                  unflatten_shapes(ranks, dims), names.split(NAMES_SEP)):
-        out.append(torch.ops.fsdp.unshard(piece, shape, world_size, unit, name, ag_group, rs_group, replicate_group,
-                                          replicate_size, reshard, param_dtype, reduce_dtype, None))
-    return out
+    ``names.split(NAMES_SEP)[i]`` of full shape ``unflatten_shapes(ranks, dims)[i]``; the pieces tile
+    ``flat``. ``shared``: the ``UNSHARD_SHARED`` arguments."""
+    pieces = flat_pieces(flat, unflatten_shapes(shard_ranks, shard_dims))
+    return _unshard_each(pieces, unflatten_shapes(ranks, dims), names, shared)
 
 
-@unshard_flat.register_fake
+@torch.library.register_fake("fsdp::unshard_flat")
 def _unshard_flat_fake(flat: Tensor, shard_ranks: list[int], shard_dims: list[int], ranks: list[int],
-                       dims: list[int], *args: object) -> list[Tensor]:
-    param_dtype = args[-2]
-    return [flat.new_empty(shape, dtype=param_dtype or flat.dtype) for shape in unflatten_shapes(ranks, dims)]  # type: ignore[arg-type]
+                       dims: list[int], names: str, *shared: object) -> list[Tensor]:
+    param_dtype = by_name(UNSHARD_SHARED, shared)["param_dtype"]
+    return [flat.new_empty(shape, dtype=param_dtype or flat.dtype)  # type: ignore[arg-type]
+            for shape in unflatten_shapes(ranks, dims)]
 
 
 def flat_pieces(flat: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
@@ -176,51 +211,38 @@ def flat_pieces(flat: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
     return out
 
 
-def _unshard_flat_setup(ctx: object, inputs: tuple, output: list[Tensor]) -> None:
-    (flat, shard_ranks, shard_dims, ranks, dims, names, world_size, unit, ag_group, rs_group, replicate_group,
-     replicate_size, _reshard, param_dtype, reduce_dtype) = inputs
-    ctx.full = [(shape, param_dtype or flat.dtype) for shape in unflatten_shapes(ranks, dims)]  # type: ignore[attr-defined]
-    ctx.device = flat.device  # type: ignore[attr-defined]
-    ctx.args = (shard_ranks, shard_dims, names, world_size, unit, ag_group, rs_group, replicate_group,  # type: ignore[attr-defined]
-                replicate_size, reduce_dtype, flat.dtype)
+def _unshard_flat_setup(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
+    flat, shard_ranks, shard_dims, ranks, dims, names, *shared = inputs
+    common = by_name(UNSHARD_SHARED, shared)
+    ctx.full = [(shape, common["param_dtype"] or flat.dtype) for shape in unflatten_shapes(ranks, dims)]
+    ctx.device = flat.device
+    ctx.reduce_args = (shard_ranks, shard_dims, names, *in_order(REDUCE_GRAD_SHARED, **common, out_dtype=flat.dtype))
 
 
-def _unshard_flat_backward(ctx: object, grads: list[Tensor | None]) -> tuple:
-    # A piece the call never read has no gradient: zeros, which reduce to its zero gradient.
-    full = [g if g is not None else torch.zeros(shape, dtype=dtype, device=ctx.device)  # type: ignore[attr-defined]
-            for g, (shape, dtype) in zip(grads, ctx.full)]  # type: ignore[attr-defined]
-    return (torch.ops.fsdp.reduce_grad_flat(full, *ctx.args),) + (None,) * 14  # type: ignore[attr-defined]
+def _unshard_flat_backward(ctx: Any, grads: list[Tensor | None]) -> tuple:
+    flat_grad = torch.ops.fsdp.reduce_grad_flat(_full_or_zeros(grads, ctx.full, ctx.device), *ctx.reduce_args)
+    return (flat_grad,) + (None,) * (5 + len(UNSHARD_SHARED))
 
 
-unshard_flat.register_autograd(_unshard_flat_backward, setup_context=_unshard_flat_setup)
+torch.library.register_autograd("fsdp::unshard_flat", _unshard_flat_backward, setup_context=_unshard_flat_setup)
 
 
-@torch.library.custom_op("fsdp::reduce_grad_flat", mutates_args=())
-def reduce_grad_flat(
-    grads: list[Tensor],
-    shard_ranks: list[int],
-    shard_dims: list[int],
-    names: str,
-    world_size: int,
-    unit: int,
-    ag_group: str,
-    rs_group: str,
-    replicate_group: str,
-    replicate_size: int,
-    reduce_dtype: torch.dtype | None,
-    out_dtype: torch.dtype,
-) -> Tensor:
-    """The flat's gradient: ``fsdp::reduce_grad`` of each full gradient to its piece's shape, in order."""
-    return torch.cat([torch.ops.fsdp.reduce_grad(g, shape, world_size, unit, name, ag_group, rs_group,
-                                                 replicate_group, replicate_size, reduce_dtype, out_dtype).reshape(-1)
-                      for g, shape, name in zip(grads, unflatten_shapes(shard_ranks, shard_dims), names.split(NAMES_SEP))])
+@torch.library.impl("fsdp::reduce_grad_flat", "CompositeExplicitAutograd")
+def reduce_grad_flat(grads: list[Tensor], shard_ranks: list[int], shard_dims: list[int], names: str,
+                     *shared: object) -> Tensor:
+    """The flat's gradient: ``fsdp::reduce_grad`` of each full gradient to its piece's shape, in order;
+    ``shared``: the ``REDUCE_GRAD_SHARED`` arguments."""
+    shapes = unflatten_shapes(shard_ranks, shard_dims)
+    return torch.cat([g.reshape(-1) for g in _reduce_each(grads, shapes, names, shared)])
 
 
-@reduce_grad_flat.register_fake
-def _reduce_grad_flat_fake(grads: list[Tensor], shard_ranks: list[int], shard_dims: list[int], *args: object) -> Tensor:
-    out_dtype = args[-1]
+@torch.library.register_fake("fsdp::reduce_grad_flat")
+def _reduce_grad_flat_fake(grads: list[Tensor], shard_ranks: list[int], shard_dims: list[int], names: str,
+                           *shared: object) -> Tensor:
+    out_dtype = by_name(REDUCE_GRAD_SHARED, shared)["out_dtype"]
     total = sum(numel(s) for s in unflatten_shapes(shard_ranks, shard_dims))
     return grads[0].new_empty(total, dtype=out_dtype)  # type: ignore[arg-type]
+
 
 
 # ---------------------------------------------------------------------------------------------

@@ -173,7 +173,7 @@ def tensor_bytes(node: fx.Node) -> int:
 
 @dataclass(frozen=True)
 class UnshardArgs:
-    """The arguments of ``fsdp::unshard``, by name (see ``fsdp_compile.ops.unshard``)."""
+    """The arguments of ``fsdp::unshard``, by name: ``graph_ops.UNSHARD_ARGS`` (NOTE [one marker spec])."""
 
     shard: fx.Node
     full_shape: tuple[int, ...]
@@ -198,7 +198,7 @@ class UnshardArgs:
 
 @dataclass(frozen=True)
 class ReduceGradArgs:
-    """The arguments of ``fsdp::reduce_grad``, by name (see ``fsdp_compile.ops.reduce_grad``)."""
+    """The arguments of ``fsdp::reduce_grad``, by name: ``graph_ops.REDUCE_GRAD_ARGS`` (NOTE [one marker spec])."""
 
     grad: fx.Node
     shard_shape: tuple[int, ...]

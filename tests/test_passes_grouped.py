@@ -10,12 +10,28 @@ import torch
 from expecttest import TestCase
 from torch import Tensor, fx
 
-from passes.graph_ops import NAMES_SEP, flatten_shapes
+from passes.graph_ops import (
+    NAMES_SEP,
+    REDUCE_GRAD_ARGS,
+    REDUCE_GRAD_SHARED,
+    UNSHARD_ARGS,
+    UNSHARD_SHARED,
+    arg_names,
+    flatten_shapes,
+)
 from passes.lower.bucket import bucket_pass
 from passes.lower.expand_markers import expand_markers_pass
 from passes.lower.grouped import lower_grouped_pass
 from passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
-from passes.predicates import fsdp_meta, is_grouped_reduce_grad, is_grouped_unshard, is_reduce_grad, is_unshard
+from passes.predicates import (
+    ReduceGradArgs,
+    UnshardArgs,
+    fsdp_meta,
+    is_grouped_reduce_grad,
+    is_grouped_unshard,
+    is_reduce_grad,
+    is_unshard,
+)
 
 from .pass_graphs import WIDTH, assert_same, gathers, ints, launches, ops, run, scatters, trace, valid
 
@@ -150,3 +166,22 @@ reduce_scatter_tensor wait_tensor div as_strided as_strided t mm""")
                 kept = lower_grouped_pass(make(), **bucket)  # type: ignore[arg-type]
                 self.assertEqual(len(_grouped(kept)), left)
                 self._same_as_per_parameter(make, **bucket)
+
+
+def test_every_marker_follows_the_one_marker_spec() -> None:
+    """NOTE [one marker spec]: the markers' Python signatures (fsdp_compile/ops.py, which
+    ``torch.library.custom_op`` needs) and the readers ``UnshardArgs`` / ``ReduceGradArgs`` name the
+    arguments of ``UNSHARD_ARGS`` / ``REDUCE_GRAD_ARGS``, in order and with those schema types; the
+    grouped markers end with the shared ones."""
+    def spelled(spec: tuple[tuple[str, str], ...]) -> str:
+        return ", ".join(f"{type_} {name}" for name, type_ in spec)
+
+    assert str(torch.ops.fsdp.unshard.default._schema).replace("=None", "") == (
+        f"fsdp::unshard({spelled(UNSHARD_ARGS)}) -> Tensor")
+    assert str(torch.ops.fsdp.reduce_grad.default._schema) == f"fsdp::reduce_grad({spelled(REDUCE_GRAD_ARGS)}) -> Tensor"
+    assert tuple(UnshardArgs.__dataclass_fields__) == arg_names(UNSHARD_ARGS)
+    assert tuple(ReduceGradArgs.__dataclass_fields__) == arg_names(REDUCE_GRAD_ARGS)
+    for op, shared in [(torch.ops.fsdp.unshard_many, UNSHARD_SHARED), (torch.ops.fsdp.unshard_flat, UNSHARD_SHARED),
+                       (torch.ops.fsdp.reduce_grad_many, REDUCE_GRAD_SHARED),
+                       (torch.ops.fsdp.reduce_grad_flat, REDUCE_GRAD_SHARED)]:
+        assert str(op.default._schema).split(") -> ")[0].endswith(spelled(shared)), op

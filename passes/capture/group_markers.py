@@ -45,13 +45,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, fx
 
-from ..graph_ops import NAMES_SEP, flatten_shapes
+from ..graph_ops import NAMES_SEP, UNSHARD_SHARED, arg_names, flatten_shapes
 from ..predicates import UnshardArgs, flat_piece, is_unshard
 
 __all__ = ["group_markers_pass"]
 
-_SHARED = ("world_size", "unit", "ag_group", "rs_group", "replicate_group", "replicate_size", "reshard",
-           "param_dtype", "reduce_dtype")
+_SHARED = arg_names(UNSHARD_SHARED)  # alike for every marker of a group (NOTE [one marker spec])
 
 
 

@@ -16,11 +16,22 @@ the per-parameter reductions and a ``cat`` of their gradients.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import torch
 from torch import fx
 
-from ..graph_ops import NAMES_SEP, flat_pieces, unflatten_shapes
+from ..graph_ops import (
+    NAMES_SEP,
+    REDUCE_GRAD_ARGS,
+    REDUCE_GRAD_SHARED,
+    UNSHARD_ARGS,
+    UNSHARD_SHARED,
+    by_name,
+    flat_pieces,
+    in_order,
+    unflatten_shapes,
+)
 from ..predicates import (
     is_flat_reduce_grad,
     is_flat_unshard,
@@ -50,10 +61,8 @@ def expand_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
             item = items.get(i)
             if item is None:
                 continue  # nothing reads this one
-            # unshard(shard, full_shape, world, unit, name, ...); reduce_grad(grad, shard_shape, world, unit, name, ...)
-            world, unit, *tail = rest
             with gm.graph.inserting_before(node):
-                single = gm.graph.call_function(target, (x, shape, world, unit, name, *tail))
+                single = gm.graph.call_function(target, _single_args(unshard, x, shape, name, rest))
             single.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             single.meta["val"] = item.meta["val"] if "val" in item.meta else vals[i]  # type: ignore[index]
             item.replace_all_uses_with(single)
@@ -72,14 +81,13 @@ def expand_flat(gm: fx.GraphModule, node: fx.Node) -> None:
         pieces = splice(gm.graph, lambda f: flat_pieces(f, shard_shapes), [flat], before=node)  # type: ignore[list-item]
         items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         assert len(items) == len(node.users), f"{node.name}: read other than by index"
-        world, unit, *tail = rest
         for i, (piece, shape, name) in enumerate(zip(pieces, unflatten_shapes(ranks, dims), str(names).split(NAMES_SEP))):  # type: ignore[arg-type]
             item = items.get(i)
             if item is None:
                 continue
             with gm.graph.inserting_before(node):
                 single = gm.graph.call_function(torch.ops.fsdp.unshard.default,
-                                                (piece, shape, world, unit, name, *tail, None))
+                                                _single_args(True, piece, shape, name, rest))
             single.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             single.meta["val"] = item.meta["val"]
             item.replace_all_uses_with(single)
@@ -92,11 +100,12 @@ def expand_flat(gm: fx.GraphModule, node: fx.Node) -> None:
                 stack.extend(i for i in piece.all_input_nodes if i is not flat)
                 gm.graph.erase_node(piece)
         return
-    (grads, shard_ranks, shard_dims, names, world, unit, *tail) = node.args
+    (grads, shard_ranks, shard_dims, names, *rest) = node.args
     singles = []
     for g, shape, name in zip(grads, unflatten_shapes(shard_ranks, shard_dims), str(names).split(NAMES_SEP)):  # type: ignore[arg-type]
         with gm.graph.inserting_before(node):
-            single = gm.graph.call_function(torch.ops.fsdp.reduce_grad.default, (g, shape, world, unit, name, *tail))
+            single = gm.graph.call_function(torch.ops.fsdp.reduce_grad.default,
+                                            _single_args(False, g, shape, name, rest))
         single.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         val = node.meta["val"]
         single.meta["val"] = val.new_empty(shape)
@@ -105,3 +114,11 @@ def expand_flat(gm: fx.GraphModule, node: fx.Node) -> None:
     node.replace_all_uses_with(cat)
     gm.graph.erase_node(node)
 
+
+def _single_args(unshard: bool, x: fx.Node, shape: list[int], name: str, shared: Sequence[object]) -> tuple:
+    """A per-parameter marker's arguments (NOTE [one marker spec]): ``x`` (the shard, or the full
+    gradient), its shape (full, or the shard's), its name and a grouped marker's shared arguments."""
+    if unshard:
+        return in_order(UNSHARD_ARGS, shard=x, full_shape=shape, name=name, accumulate=None,
+                        **by_name(UNSHARD_SHARED, shared))
+    return in_order(REDUCE_GRAD_ARGS, grad=x, shard_shape=shape, name=name, **by_name(REDUCE_GRAD_SHARED, shared))

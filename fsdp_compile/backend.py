@@ -31,7 +31,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -89,27 +89,67 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """Settings of one backend made by :func:`make_backend` (see its docstring)."""
+    """Settings of one backend made by :func:`make_backend`, which takes them by keyword; each is
+    documented below. Paths are kept as ``str`` and ``disabled_passes`` as a tuple."""
 
     schedule: str = "eager"
+    """``"eager"`` launches each unit's reduce-scatter as soon as its gradients exist (use with the
+    dedicated reduce-scatter communicator of ``FsdpGroups``); ``"delayed"`` holds it until the next
+    unit's backward all-gather is issued (the baseline, meant for ``dedicated="none"``)."""
     prefetch: int | str = 1
+    """Units whose all-gather is issued ahead of use (0: none); ``"auto"`` picks it with the cost model
+    (the smallest depth within 0.5% of the best estimated step)."""
     prefetch_bytes: int | None = None
+    """Cap on bytes gathered but not yet used (``None``: only ``prefetch`` bounds it)."""
     reduce_scatter_bytes: int | str | None = "auto"
+    """Cap on reduce-scatter input bytes in flight; ``"auto"`` (default) keeps two buckets in flight, or,
+    when ``hardware`` is named, picks the smallest cap within 0.5% of the best estimated step; ``None``
+    lets every wait sink to the end of backward."""
     inductor: bool = True
+    """``False`` runs the scheduled FX graphs without Inductor (for debugging)."""
     pin_order: bool = True
+    """``False`` lets Inductor reorder collectives by its own memory heuristics (for comparison)."""
     elide_single_rank: bool = True
+    """``False`` keeps the collectives of one-rank groups (for measuring their cost)."""
     inplace_gather: bool = True
+    """``False`` packs each all-gather bucket into a buffer of its own instead of into its slice of the
+    output (NOTE [in-place all-gather] in ``passes/lower/bucket.py``; for comparison)."""
     bucket_alone_bytes: int | None = 16 << 20
+    """A parameter at least this large (full size, bytes) keeps an all-gather and a reduce-scatter of its
+    own, which need no pack or unpack copy; smaller ones share their unit's bucket (NOTE [large params
+    alone]); ``None`` buckets every parameter."""
     check_agreement: bool = True
+    """Before a compiled graph runs, compare its collective sequence with every peer rank's and raise on a
+    difference (NOTE [agreement]), and notice ranks that run different sequences of compiled graphs
+    (NOTE [lockstep]); a peer that failed or is gone is named within seconds, one that is alive but
+    never comes after ``agreement_timeout_s``."""
     agreement_timeout_s: float | None = None
-    dump_dir: str | None = None
+    """Seconds to wait for a live peer in the agreement check (``None``: the process group's timeout)."""
+    dump_dir: str | os.PathLike[str] | None = None
+    """Write each compiled graph's schedule (table, Chrome trace, PNG timeline) there, one set of files
+    per graph and rank."""
     hardware: str | None = None
-    calibration: str | None = None
-    disabled_passes: tuple[str, ...] = ()
+    """A preset of ``cost.HARDWARE`` (default: this device's) for the cost model behind the estimated
+    times in dumps, logs and ``"auto"`` settings."""
+    calibration: str | os.PathLike[str] | None = None
+    """A JSON of measured numbers for the cost model."""
+    disabled_passes: Sequence[str] = ()
+    """Passes switched off by name (``PASS_NAMES``)."""
     log_pass_diffs: bool = False
+    """Log each pass's diff."""
     outline: bool = True
+    """``True``: units that ``fully_shard`` outlined (the repeated blocks, NOTE [outlined units] in
+    module.py) are traced as one body each kind, compiled once and called once per unit, for a compile
+    time that grows slowly with depth; their collectives stay in the whole-model graph and are scheduled
+    across units as before, and they reshard after forward as inline units do. ``False`` traces every
+    block inline (one whole-model graph). Not applied where the cost model picks settings (``"auto"``
+    above): it needs to see every op."""
 
     def __post_init__(self) -> None:
+        for name in ("dump_dir", "calibration"):  # (frozen: set through object)
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
         if self.schedule not in SCHEDULES:
             raise ValueError(f"make_backend: schedule={self.schedule!r}; use one of {SCHEDULES}")
         if self.prefetch != "auto" and (
@@ -265,84 +305,26 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
         )
 
 
-def make_backend(
-    *,
-    schedule: str = "eager",
-    prefetch: int | str = 1,
-    prefetch_bytes: int | None = None,
-    reduce_scatter_bytes: int | str | None = "auto",
-    inductor: bool = True,
-    pin_order: bool = True,
-    elide_single_rank: bool = True,
-    inplace_gather: bool = True,
-    bucket_alone_bytes: int | None = 16 << 20,
-    check_agreement: bool = True,
-    agreement_timeout_s: float | None = None,
-    dump_dir: str | os.PathLike[str] | None = None,
-    hardware: str | None = None,
-    calibration: str | os.PathLike[str] | None = None,
-    disabled_passes: Sequence[str] = (),
-    log_pass_diffs: bool = False,
-    outline: bool = True,
-) -> Any:
+def make_backend(**options: Any) -> Any:
     """A ``torch.compile`` backend for models prepared with ``fully_shard``.
 
-    ``schedule``: ``"eager"`` launches each unit's reduce-scatter as soon as its gradients exist (use
-    with the dedicated reduce-scatter communicator of ``FsdpGroups``); ``"delayed"`` holds it until the
-    next unit's backward all-gather is issued (the baseline, meant for ``dedicated="none"``).
-    ``prefetch``: units whose all-gather is issued ahead of use (0: none); ``"auto"`` picks it with the
-    cost model (the smallest depth within 0.5% of the best estimated step).
-    ``prefetch_bytes``: cap on bytes gathered but not yet used (``None``: only ``prefetch`` bounds it).
-    ``reduce_scatter_bytes``: cap on reduce-scatter input bytes in flight; ``"auto"`` (default) keeps
-    two buckets in flight, or, when ``hardware`` is named, picks the smallest cap within 0.5% of the
-    best estimated step; ``None`` lets every wait sink to the end of backward.
-    ``inductor=False`` runs the scheduled FX graphs without Inductor (for debugging).
-    ``pin_order=False`` lets Inductor reorder collectives by its own memory heuristics (for comparison).
-    ``elide_single_rank=False`` keeps the collectives of one-rank groups (for measuring their cost).
-    ``inplace_gather=False`` packs each all-gather bucket into a buffer of its own instead of into its
-    slice of the output (NOTE [in-place all-gather] in ``passes/lower/bucket.py``; for comparison).
-    ``bucket_alone_bytes``: a parameter at least this large (full size, bytes) keeps an all-gather and a
-    reduce-scatter of its own, which need no pack or unpack copy; smaller ones share their unit's
-    bucket (NOTE [large params alone]); ``None`` buckets every parameter.
-    ``check_agreement``: before a compiled graph runs, compare its collective sequence with every peer
-    rank's and raise on a difference (NOTE [agreement]), and notice ranks that run different sequences
-    of compiled graphs (NOTE [lockstep]); a peer that failed or is gone is named within seconds, one
-    that is alive but never comes after ``agreement_timeout_s`` (default: the process group's timeout). ``dump_dir``: write each compiled graph's schedule (table,
-    Chrome trace, PNG timeline) there, one set of files per graph and rank. ``hardware`` (a preset of
-    ``cost.HARDWARE``; default: this device's) and ``calibration`` (a JSON of measured numbers) set the
-    cost model behind the estimated times in dumps, logs and ``"auto"`` settings.
-    ``disabled_passes`` switches passes off by name; ``log_pass_diffs`` logs each pass's diff.
-    ``outline=True`` (default): units that ``fully_shard`` outlined (the repeated blocks, NOTE
-    [outlined units] in module.py) are traced as one body each kind, compiled once and called once per
-    unit, for a compile time that grows slowly with depth; their collectives stay in the whole-model
-    graph and are scheduled across units as before, and they reshard after forward as inline units
-    do. ``False`` traces every block inline (one whole-model graph). Not applied where the cost model
-    picks settings (``"auto"`` above): it needs to see every op.
+    ``options``: the fields of :class:`BackendOptions`, by keyword (each documented there); an unknown
+    name raises ``TypeError``, a bad value ``ValueError``.
     Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
     sharded with.
     With Inductor's caches on (torch's default), a later process start loads what this backend compiled
     instead of compiling again (NOTE [warm start] in ``cache.py``); ``dump_dir``, ``log_pass_diffs``,
     ``observe_graphs`` and ``TORCH_LOGS=fsdp_schedule`` compile afresh, so that they show the schedule.
     """
-    options = BackendOptions(
-        schedule=schedule,
-        prefetch=prefetch,
-        prefetch_bytes=prefetch_bytes,
-        reduce_scatter_bytes=reduce_scatter_bytes,
-        inductor=inductor,
-        pin_order=pin_order,
-        elide_single_rank=elide_single_rank,
-        inplace_gather=inplace_gather,
-        bucket_alone_bytes=bucket_alone_bytes,
-        check_agreement=check_agreement,
-        agreement_timeout_s=agreement_timeout_s,
-        dump_dir=None if dump_dir is None else os.fspath(dump_dir),
-        hardware=hardware,
-        calibration=None if calibration is None else os.fspath(calibration),
-        disabled_passes=tuple(disabled_passes),
-        log_pass_diffs=log_pass_diffs,
-        outline=outline,
-    )
+    known = [f.name for f in fields(BackendOptions)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"make_backend: unknown option(s) {unknown}; the options are {known} (see BackendOptions)")
+    return _make_backend(BackendOptions(**options))
+
+
+def _make_backend(options: BackendOptions) -> Any:
+    """The backend of ``options``: AOTAutograd with our partition and compilers, the passes before it."""
     hw = options.cost_model()  # once: an unknown preset or a bad calibration file fails here
     compile_fw = functools.partial(_compile, options=options, hw=hw, is_backward=False, is_inference=False)
     compile_bw = functools.partial(_compile, options=options, hw=hw, is_backward=True, is_inference=False)

@@ -66,3 +66,9 @@ def test_model_without_sharded_params_is_plain_inductor(fake_world: int) -> None
     assert not any(collectives(gm) for gm in graphs.values())
     out = torch.compile(model, backend=make_backend())(x)
     torch.testing.assert_close(out, expected)
+
+
+def test_make_backend_names_an_unknown_option_and_the_known_ones() -> None:
+    """The options are ``BackendOptions``' fields, written once; a misspelt one says which exist."""
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['prefech'\]; the options are \['schedule', 'prefetch'"):
+        make_backend(prefech=2)

@@ -36,7 +36,7 @@ from .grads import ShardGrad, as_shard_grad
 from .groups import FsdpGroups
 from .units import ShardedParam, Unit, _params
 
-__all__ = ["check_built_alike", "hand_out_global_grads", "rebind_params", "register_grad_hook"]
+__all__ = ["check_built_alike", "hand_out_global_grads", "local_sums", "rebind_params", "register_grad_hook"]
 
 
 def register_grad_hook(p: nn.Parameter, hook: Callable[[Tensor], None]) -> None:
@@ -94,43 +94,56 @@ def rebind_params(unit: Unit) -> bool:
 
 # NOTE [ranks built alike]: ``fully_shard`` keeps each rank's rows of the full parameters that rank was built
 # with. Ranks that built their model without a common seed would train a model stitched together from
-# different initialisations, and nothing else would notice. So each call sums the unit's full parameters
-# (the sum and the 2-norm, in float64) before sharding and compares the sums across the
-# ranks with one all-reduce (MAX of the sums and of their negatives: the largest and smallest at once),
-# per group. Meta tensors (meta-device init: the values come later, the same on every rank through
-# the init or a rank-0 broadcast) are skipped, and so are units of one rank.
+# different initialisations, and nothing else would notice. So each call sums its unit's full parameters
+# before sharding (the sum, the 2-norm and the element count, in float64: ``local_sums``), and the call
+# that completes a model (a module holding other units: the root, or a ``BlockStack``) compares the sums
+# of every unit under it not compared yet across the ranks, with one all-reduce per group (MAX of the sums
+# and of their negatives: the largest and smallest at once). One collective per model, at a call every
+# rank makes, so ranks that built different numbers of blocks are caught too instead of hanging. Meta
+# tensors (meta-device init: the values come later, the same on every rank through the init or a rank-0
+# broadcast) are skipped, and so are groups of one rank. A model sharded as one unit alone (no inner
+# units) is not compared: nothing marks its call as the last one.
 _TOLERANCE = 1e-9  # relative: float64 sums of the same values; only the reduction order may differ
 
 
-def _sums(params: Sequence[Tensor]) -> Tensor:
-    """Sum and 2-norm of ``params`` in float64 (no float64 copy on CUDA, where the kernels accumulate in it)."""
+def local_sums(params: Sequence[Tensor]) -> Tensor | None:
+    """Sum, 2-norm and element count of ``params`` in float64 (no float64 copy on CUDA, where the kernels
+    accumulate in it); ``None`` for meta tensors alone."""
+    params = [p for p in params if p.device.type != "meta"]
+    if not params:
+        return None
     with torch.no_grad():
         return torch.stack([torch.stack((p.detach().sum(dtype=torch.float64),
-                                         torch.linalg.vector_norm(p.detach(), dtype=torch.float64))) for p in params]).sum(0)
+                                         torch.linalg.vector_norm(p.detach(), dtype=torch.float64),
+                                         torch.tensor(float(p.numel()), dtype=torch.float64, device=p.device)))
+                            for p in params]).sum(0)
 
 
-def check_built_alike(unit_name: str, params: Sequence[Tensor], groups: FsdpGroups) -> None:
-    """NOTE [ranks built alike]: raise a ``ValueError`` naming the fixes when the ranks of ``groups``
-    hold different values of ``params`` (full, before sharding)."""
-    params = [p for p in params if p.device.type != "meta"]
+def check_built_alike(unit_name: str, units: Sequence[Unit], groups: FsdpGroups) -> None:
+    """NOTE [ranks built alike]: compare the checksums of ``units`` not compared yet across the ranks of
+    ``groups`` (every rank must call this at the same point); raise a ``ValueError`` naming the fixes."""
+    pending = [u.built_sums for u in units if u.built_sums is not None]
+    for u in units:
+        u.built_sums = None
     group_list = [g for g in (groups.all_gather, groups.replicate) if g is not None and g.size() > 1]
-    if not params or not group_list:
+    if not group_list:
         return
-    sums = _sums(params)
+    device = pending[0].device if pending else torch.device("cpu")
+    sums = torch.stack([s.to(device) for s in pending]).sum(0) if pending else torch.zeros(3, dtype=torch.float64)
     for group in group_list:
         both = torch.cat((sums, -sums))
         if both.device.type == "cpu" and "nccl" in str(dist.get_backend(group)):  # a CPU-built model, NCCL ranks
             both = both.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        high, low = both[:2], -both[2:]
+        high, low = both[:3], -both[3:]
         if bool(((high - low).abs() > _TOLERANCE * (1 + high.abs())).any()):
             raise ValueError(
-                f"fully_shard({unit_name}): the ranks built it with different parameter values (checksums "
-                f"from {low[0].item():.6g} to {high[0].item():.6g}), so each rank would keep its rows of a "
-                "different model. Build it the same on every rank: call torch.manual_seed(seed) with one seed on "
-                "every rank before building the model; or build it on the meta device (with "
-                "torch.device('meta'): ...), fully_shard, model.to_empty(device=...), then run its init under a "
-                "common seed; or, to load weights rank 0 holds, build on the meta device and load with "
-                "fsdp_compile.set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, "
-                "broadcast_from_rank0=True))."
+                f"fully_shard({unit_name}): the checksum of the model's parameter values differs across ranks "
+                f"(from {low[0].item():.6g} to {high[0].item():.6g}, {low[2].item():.0f} to {high[2].item():.0f} "
+                "elements), so each rank would keep its rows of a different model. Build it the same on every "
+                "rank: call torch.manual_seed(seed) with one seed on every rank before building the model; or "
+                "build it on the meta device (with torch.device('meta'): ...), fully_shard, "
+                "model.to_empty(device=...), then run its init under a common seed; or, to load weights rank 0 "
+                "holds, build on the meta device and load with fsdp_compile.set_model_state_dict(model, sd, "
+                "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))."
             )

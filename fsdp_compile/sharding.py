@@ -22,12 +22,12 @@ from .collector import hold_full_collections_in_compiles
 from .flat import flatten_unit
 from .gathered import gathered
 from .groups import FsdpGroups
-from .materialize import check_built_alike, hand_out_global_grads, register_grad_hook
+from .materialize import check_built_alike, hand_out_global_grads, local_sums, register_grad_hook
 from .module import FsdpModule, forward_of, mix_in
 from .ops import ANONYMOUS_UNIT, shard_rows
 from .reads import accumulator, eager_args, forward_depth_hooks, traced_property, traced_unshard
 from .stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
-from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of
+from .units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of, units_under
 
 __all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "local_shard", "unit_of"]
 
@@ -156,9 +156,9 @@ def fully_shard(
     of its own (what ``for block in stack: fully_shard(block, ...)`` does), and returns the stack; the
     blocks of a stack are compiled as one body (NOTE [stacked blocks] in ``stack.py``).
     Returns ``module`` (sharded in place). Buffers stay replicated; frozen parameters are gathered
-    but never reduced. Each call checks, with one small all-reduce, that every rank built the unit's
-    parameters with the same values (NOTE [ranks built alike] in ``materialize.py``); a module built under
-    ``torch.device("meta")`` is not checked: shard it, ``module.to_empty(device=...)``, then run its init
+    but never reduced. The call that completes a model (on a module holding other units) checks, with
+    one small all-reduce, that every rank built its parameters with the same values (NOTE [ranks built
+    alike] in ``materialize.py``); a module built under ``torch.device("meta")`` is not checked: shard it, ``module.to_empty(device=...)``, then run its init
     (NOTE [initialising sharded parameters]) or load rank 0's checkpoint (NOTE [rank-0 broadcast]).
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -192,6 +192,7 @@ def fully_shard(
             if block not in _units:
                 fully_shard(block, groups=groups, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                             outline=outline, flat=flat)
+        check_built_alike(unit_name, units_under(module), groups)  # NOTE [ranks built alike]
         return module
     _check_order(module, unit_name)
     stack = stack_of(module)
@@ -221,7 +222,6 @@ def fully_shard(
                 )
             new.append((owner, fqn, p))
     _check_params(module, unit_name, new)
-    check_built_alike(unit_name, list({id(p): p for _, _, p in new}.values()), groups)  # NOTE [ranks built alike]
 
     unit = Unit(
         index=0,  # set by _renumber_subunits below
@@ -232,6 +232,7 @@ def fully_shard(
         outline=False if stack is not None else outline,
         stacked=stack is not None,
     )
+    unit.built_sums = local_sums(list({id(p): p for _, _, p in new}.values()))  # NOTE [ranks built alike]
     seen: dict[nn.Parameter, ShardedParam] = {}
     for owner, fqn, p in new:
         sp = seen.get(p)
@@ -256,7 +257,11 @@ def fully_shard(
     # A stamped call of this block reads its shards from here: one attribute, not a chain per shard
     # (NOTE [stamped blocks] in stamp.py): the unit's flat shard, or its shards (NOTE [flat shards]).
     flatten_unit(unit, module, flat)
-    return _register_unit(module, unit, mp_policy)
+    _register_unit(module, unit, mp_policy)
+    inner = units_under(module)
+    if len(inner) > 1:  # it completes a model: NOTE [ranks built alike]
+        check_built_alike(unit_name, inner, groups)
+    return module
 
 
 def _register_unit(module: nn.Module, unit: Unit, mp_policy: MixedPrecisionPolicy) -> nn.Module:

@@ -54,6 +54,7 @@ class Unit:
     requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py
     pending: bool = False  # accumulated full gradients not yet reduced
     flush_queued: bool = False
+    built_sums: Tensor | None = None  # its params' checksums at fully_shard, until compared (NOTE [ranks built alike])
 
     @property
     def accumulating(self) -> bool:

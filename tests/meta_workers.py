@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, get_model_state_dict, make_backend, set_model_state_dict
-from fsdp_compile.materialize import check_built_alike
+from fsdp_compile.materialize import check_built_alike, local_sums
 
 FULL = StateDictOptions(full_state_dict=True)
 BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -201,31 +201,31 @@ def init_memory(rank: int, world: int, path: str) -> dict[str, int]:
     return out
 
 
-def disagreeing(rank: int, world: int) -> dict[str, Any]:
-    """Each rank seeds differently before building: fully_shard must refuse. Then the check's cost."""
+def disagreeing(rank: int, world: int, blocks: int = 0) -> dict[str, Any]:
+    """Each rank seeds differently before building (``blocks``: rank 1 builds that many blocks more, all
+    seeded alike): the root's fully_shard must refuse. Then what the check costs on a tiny model."""
     warnings.simplefilter("ignore")
     groups = FsdpGroups.create()
-    torch.manual_seed(rank)
-    model = Net()
-    out: dict[str, Any] = {}
+    torch.manual_seed(rank if not blocks else 0)
+    model = Net(layers=3 + blocks * rank)
+    out: dict[str, Any] = {"error": None}
     try:
-        fully_shard(model.blocks[0], groups=groups)
-        out["error"] = None
+        for block in model.blocks:
+            fully_shard(block, groups=groups)  # no collective: compared at the root
+        fully_shard(model, groups=groups)
     except ValueError as e:
         out["error"] = str(e)
     torch.manual_seed(0)
-    alike = Net()
-    params = list(alike.parameters())
-    check_built_alike("Net", params, groups)  # warm
+    params = list(Net().parameters())
+    check_built_alike("Net", [], groups)  # warm
     start = time.perf_counter()
     for _ in range(10):
-        check_built_alike("Net", params, groups)
-    out["check_s"] = (time.perf_counter() - start) / 10
+        local_sums(params)
+    out["sums_s"] = (time.perf_counter() - start) / 10
     start = time.perf_counter()
-    for block in alike.blocks:
-        fully_shard(block, groups=groups)
-    fully_shard(alike, groups=groups)
-    out["shard_s"] = time.perf_counter() - start
+    for _ in range(10):
+        check_built_alike("Net", [], groups)  # the one all-reduce
+    out["collective_s"] = (time.perf_counter() - start) / 10
     groups.destroy()
     return out
 

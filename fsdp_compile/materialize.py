@@ -129,7 +129,9 @@ def check_built_alike(unit_name: str, units: Sequence[Unit], groups: FsdpGroups)
     if not group_list:
         return
     device = pending[0].device if pending else torch.device("cpu")
-    sums = torch.stack([s.to(device) for s in pending]).sum(0) if pending else torch.zeros(3, dtype=torch.float64)
+    # (a device explicitly: fully_shard may run inside ``with torch.device("meta")``)
+    sums = (torch.stack([s.to(device) for s in pending]).sum(0) if pending
+            else torch.zeros(3, dtype=torch.float64, device=device))
     for group in group_list:
         both = torch.cat((sums, -sums))
         if both.device.type == "cpu" and "nccl" in str(dist.get_backend(group)):  # a CPU-built model, NCCL ranks

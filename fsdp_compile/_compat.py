@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch._logging
+from torch._C import DisableTorchFunctionSubclass
+from torch._dynamo import assume_constant_result
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import make_boxed_func
@@ -20,9 +23,16 @@ from torch._higher_order_ops.scan import scan
 from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.output_code import OutputCode
+from torch._logging import _internal as _logging_internal
 from torch._logging._internal import getArtifactLogger
+from torch._ops import OpOverload
 
 __all__ = [
+    "DisableTorchFunctionSubclass",
+    "OpOverload",
+    "assume_constant_result",
+    "register_log_artifact",
+    "trace_structured_artifact",
     "aot_autograd",
     "compile_fx_inner",
     "compile_time_metrics",
@@ -346,3 +356,20 @@ def restarts_the_trace(error: BaseException) -> bool:
     """Whether ``error`` is Dynamo asking to trace the frame again (``RestartAnalysis`` and its kin,
     raised through a backend): it must reach Dynamo, never be handled as a failure."""
     return isinstance(error, torch._dynamo.exc.RestartAnalysis)
+
+
+def register_log_artifact(name: str, description: str, *, enable: bool) -> None:
+    """Register a ``TORCH_LOGS`` artifact, off by default; switched on now when ``enable``."""
+    _logging_internal.register_artifact(name, description, off_by_default=True)
+    if enable and not _logging_internal.log_state.is_artifact_enabled(name):
+        _logging_internal.log_state.enable_artifact(name)
+
+
+def trace_structured_artifact(name: str, payload_fn: Callable[[], str]) -> None:
+    """Write a string artifact called ``name`` to torch's structured trace (what tlparse reads);
+    ``payload_fn`` runs only when the trace is on."""
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=payload_fn,
+    )

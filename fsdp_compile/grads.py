@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._compat import register_foreach_type, resolve_group
+from ._compat import DisableTorchFunctionSubclass, register_foreach_type, resolve_group
 
 __all__ = ["ShardGrad", "as_shard_grad"]
 
@@ -51,7 +51,7 @@ class ShardGrad(Tensor):
         kwargs = kwargs or {}
         if handler is not None:
             return handler(*args, **kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
@@ -80,7 +80,7 @@ def as_shard_grad(grad: Tensor, group_name: str, rows: int) -> ShardGrad:
 def _rows(t: Tensor) -> Tensor:
     """The real rows of a shard (a view, or ``t`` itself when nothing is padding)."""
     if isinstance(t, ShardGrad) and t.dim() > 0 and t._fsdp_rows < t.shape[0]:
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             return t[: t._fsdp_rows]
     return t
 
@@ -137,7 +137,7 @@ def _global_vector_norm(x: Tensor, ord: float | str = 2, dim: Any = None, keepdi
     if out is not None:
         raise TypeError("fsdp_compile: a norm of a sharded gradient cannot write to out=; assign the result instead.")
     ord = 2.0 if ord == "fro" else float(ord)
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         result_dtype = dtype or (x.real.dtype if x.is_complex() else x.dtype)
         if not _covers_dim0(dim, x.dim()):  # per row: this rank's rows are the answer
             return torch.linalg.vector_norm(x, ord, dim=dim, keepdim=keepdim, dtype=dtype)
@@ -186,7 +186,7 @@ def _global_foreach_norm(tensors: Sequence[Tensor], ord: float | str = 2, dtype:
     dtype); the per-tensor results are views of that all-reduce's output (no launch per tensor)."""
     ord = 2.0 if ord == "fro" else float(ord)
     out: list[Tensor | None] = [None] * len(tensors)
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         plain = [i for i, t in enumerate(tensors) if not isinstance(t, ShardGrad)]
         if plain:
             for i, norm in zip(plain, torch._foreach_norm([tensors[i] for i in plain], ord, dtype=dtype)):

@@ -18,11 +18,9 @@ import logging
 import os
 from collections.abc import Callable
 
-import torch._logging
 import torch.distributed as dist
-from torch._logging import _internal  # register_artifact, log_state: for _compat.py (issue 35)
 
-from ._compat import getArtifactLogger
+from ._compat import getArtifactLogger, register_log_artifact, trace_structured_artifact
 
 __all__ = ["ARTIFACT", "log_schedule", "LOG_RANKS_ENV", "logs_on_rank"]
 
@@ -37,13 +35,9 @@ def _requested() -> bool:
 
 def _register() -> None:
     """Register the artifact (NOTE [the fsdp_schedule artifact]); on where ``TORCH_LOGS`` names it."""
-    _internal.register_artifact(
-        ARTIFACT,
-        "fsdp-compile: the scheduled collectives of each compiled graph, with estimated times",
-        off_by_default=True,
-    )
-    if _requested() and not _internal.log_state.is_artifact_enabled(ARTIFACT):
-        _internal.log_state.enable_artifact(ARTIFACT)
+    register_log_artifact(ARTIFACT,
+                          "fsdp-compile: the scheduled collectives of each compiled graph, with estimated times",
+                          enable=_requested())
 
 
 _register()
@@ -78,8 +72,4 @@ def log_schedule(kind: str, text_fn: Callable[[], str]) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if _log.isEnabledFor(logging.DEBUG) and logs_on_rank(rank, os.environ.get(LOG_RANKS_ENV)):
         _log.debug("fsdp-compile %s schedule (rank %d):\n%s", kind, rank, text_fn())
-    torch._logging.trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": f"fsdp_schedule_{kind}", "encoding": "string"},
-        payload_fn=text_fn,
-    )
+    trace_structured_artifact(f"fsdp_schedule_{kind}", text_fn)

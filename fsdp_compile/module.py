@@ -27,10 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
-from ._compat import traced_for
+from ._compat import assume_constant_result, traced_for
 from .accumulate import set_requires_gradient_sync
 from .flat import refresh_flat
 from .units import unit_of
@@ -79,7 +78,7 @@ def is_outline_candidate(cls: type) -> bool:
     return bool(getattr(cls, OUTLINE_CANDIDATE, False))
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def outlining() -> bool:
     """NOTE [regions for our backend only]: whether the graph being traced goes to a backend of
     ``make_backend`` that keeps outlined bodies (and so traces a ``BlockStack``'s blocks once, NOTE

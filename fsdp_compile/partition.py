@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from passes.predicates import UnshardArgs, is_flat_unshard, is_grouped_unshard, is_unshard, schema_args
 
-from ._compat import inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
+from ._compat import OpOverload, inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
 
 __all__ = ["partition"]
 
@@ -40,7 +40,7 @@ def _reads_as_view(target: Any) -> bool:
     :data:`_COPY_OPS`. Read from the schema, so every view op counts, not only those a list names."""
     if target in _COPY_OPS:
         return True
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     schema = target._schema
     if not schema.returns or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, fx
 
+from ._compat import OpOverloadPacket
+
 __all__ = [
     "UnshardArgs",
     "ReduceGradArgs",
@@ -44,7 +46,7 @@ def _schema(node: fx.Node) -> torch.FunctionSchema | None:
     if node.op != "call_function":
         return None
     target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         target = getattr(target, "default", None)
     return getattr(target, "_schema", None)
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from ._compat import FakeTensorMode, detect_fake_mode, tree_flatten, tree_map_only, unset_fake_temporarily
 
 __all__ = ["splice"]
 
@@ -93,7 +93,7 @@ def splice(
             if node.op == "placeholder":
                 continue
             if node.op == "output":
-                flat, _ = torch.utils._pytree.tree_flatten(node.args[0])
+                flat, _ = tree_flatten(node.args[0])
                 outputs = [env[o] for o in flat]
                 break
             if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
@@ -156,6 +156,6 @@ def _replay(traced: fx.GraphModule, placeholders: Sequence[fx.Node], vals: Seque
 
 def _evaluate(node: fx.Node) -> object:
     """Run a node's op on its inputs' fake values (no autograd: only the value is wanted)."""
-    args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+    args, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
     with torch.no_grad():
         return node.target(*args, **kwargs)  # type: ignore[operator]

@@ -8,6 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from ._compat import FakeTensor
+
 __all__ = ["fresh_value", "holds", "invoke_subgraph", "subgraph_calls"]
 
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
@@ -40,7 +42,7 @@ def fresh_value(val: object, *, requires_grad: bool = False) -> object:
     if it is no fake tensor): a meta tensor wrapped by ``val``'s fake mode, a quarter of what an
     ``empty_strided`` dispatched through the mode costs (about 30 against 120 us; one for each moved node
     of every call, 864 at 32 Llama blocks). ``requires_grad``: as ``val``'s."""
-    if isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
+    if isinstance(val, FakeTensor):
         meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta",
                                    requires_grad=requires_grad and val.requires_grad)
         return val.fake_mode.fake_tensor_converter.from_meta_and_device(val.fake_mode, meta, val.device)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .._compat import FakeTensor
 from ..predicates import is_unshard
 from ..subgraphs import fresh_value, holds
 
@@ -51,7 +52,7 @@ def _with_example(node: fx.Node, value: Any) -> fx.Node:
 
 def _fake(fn: Callable[..., Any], value: Any) -> Any:
     """``fn(value)`` under ``value``'s fake mode, or ``None`` where ``value`` is no fake tensor."""
-    if not isinstance(value, torch._subclasses.fake_tensor.FakeTensor):
+    if not isinstance(value, FakeTensor):
         return None
     with value.fake_mode:
         return fn(value)

@@ -2,7 +2,7 @@
 
 Used by the demo and the benchmarks (CPU ranks on gloo, no torchrun needed) and by the tests.
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each initialising a gloo process
-group and calling ``fn(rank, world_size, *args)``; it returns the per-rank results in rank order.
+group, seeding torch with one seed (0) on every rank and calling ``fn(rank, world_size, *args)``; it returns the per-rank results in rank order.
 A rank that raises makes it raise ``RankFailure`` carrying each failed rank's traceback; a run that
 passes ``timeout`` seconds is killed and raises too, so a wrong schedule fails instead of hanging.
 """
@@ -53,6 +53,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
         )
+        torch.manual_seed(0)  # one seed on every rank, as a training script sets (NOTE [ranks built alike])
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(out, buf)  # by value: the process may exit before the parent maps shared memory

@@ -2,7 +2,7 @@
 
 Dynamo hands the backend each outlined unit's forward as calls of one ``invoke_subgraph`` body (NOTE
 [outlined units] in ``module.py``) whose markers carry no unit or name. :func:`outer_markers` hoists them
-out to the calls (``passes/hoist.py``), inlines the bodies that cannot stay outlined (a marker left
+out to the calls (``passes/capture/hoist.py``), inlines the bodies that cannot stay outlined (a marker left
 inside, too few ops, called once, ``make_backend(outline=False)``, or inside another higher-order op's
 body such as an activation-checkpointed block), and names each anonymous marker after the shard it reads.
 """

@@ -241,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "params_without_input_embedding": n, "variants": [asdict(r) for r in results]}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"{report['device']}, {args.layers} blocks, {args.tokens} tokens/step, N = {n / 1e9:.3f} B without the input "
-          f"embedding, {per_token / 1e9:.1f} GFLOP/token, schedule: {schedule}")
+    print(f"{report['device']}, {args.layers} blocks, {args.tokens} tokens/step, N = {n:,} without the input "
+          f"embedding, {per_token:.3g} FLOP/token, schedule: {schedule}")
     print(f"{'variant':15} {'step ms':>9} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {'cold s':>7}")
     for r in results:
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "-"

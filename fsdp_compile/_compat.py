@@ -373,3 +373,13 @@ def trace_structured_artifact(name: str, payload_fn: Callable[[], str]) -> None:
         metadata_fn=lambda: {"name": name, "encoding": "string"},
         payload_fn=payload_fn,
     )
+
+
+def is_compiled_module(obj: object) -> bool:
+    """Whether ``obj`` is ``torch.compile``'s wrapper of a module (its module is ``obj._orig_mod``)."""
+    return isinstance(obj, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` applied to every leaf of ``tree`` that is a ``kind`` (torch's pytree), the rest kept."""
+    return torch.utils._pytree.tree_map_only(kind, fn, tree)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._compat import DisableTorchFunctionSubclass
 from .units import ShardedParam
 
 __all__ = ["GatheredParam", "gathered"]
@@ -68,7 +69,7 @@ class GatheredParam(Tensor):
                 stacklevel=2,
             )
             return None
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
             if self is not None:  # views (w[0], w.data, w.detach(), w.view_as(q)) write back too
                 out = _keep_views(out, self)
@@ -106,7 +107,7 @@ def _write_back(full: GatheredParam) -> None:
     shard = sp.shard
     rows = shard.shape[0]
     start = sp.shard_index * rows
-    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+    with torch.no_grad(), DisableTorchFunctionSubclass():
         full = _full(full)  # the whole parameter, which a view written into shares storage with
         flat = full.reshape(1) if full.dim() == 0 else full
         real = max(0, min(rows, flat.shape[0] - start))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from ._compat import tree_map_only
 from .collector import hold_full_collections_in_compiles
 from .flat import flatten_unit
 from .gathered import gathered
@@ -321,7 +322,7 @@ def local_shard(module: nn.Module, name: str) -> nn.Parameter:
 
 
 def _cast(tensors: object, dtype: torch.dtype) -> object:
-    return torch.utils._pytree.tree_map_only(
+    return tree_map_only(
         Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tensors
     )
 

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ._compat import is_compiled_module
 from .groups import FsdpGroups
 from .ops import shard_rows
 from .units import ShardedParam, unit_of
@@ -39,7 +40,7 @@ class Entry:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module itself, not ``torch.compile``'s wrapper (whose keys start with ``_orig_mod.``)."""
-    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    while is_compiled_module(model):
         model = model._orig_mod
     return model
 

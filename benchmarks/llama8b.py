@@ -30,7 +30,6 @@ if __name__ == "__main__":  # before torch is imported, so that every compile is
 import argparse
 import gc
 import json
-import math
 import statistics
 import time
 import warnings
@@ -47,7 +46,7 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 from benchmarks.variants import own_forward, raise_recompile_limit
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
-from fsdp_compile.models import PRESETS, ModelConfig, Transformer, _rope_tables, loss_fn
+from fsdp_compile.models import PRESETS, ModelConfig, Transformer, loss_fn
 
 VARIANTS = ("fsdp-compile", "fsdp2-compile")
 PEAK_TFLOPS = 989.0  # bf16 dense, H100/H200 SXM
@@ -79,26 +78,6 @@ def flops_per_token(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
     return 6 * n + 12 * cfg.n_layers * cfg.n_heads * head_dim * tokens, n
 
 
-def init_weights(model: Transformer) -> None:
-    """torchtitan's Llama init, through module attributes (on shards: NOTE [initialising sharded parameters])."""
-    std_out = 0.02 / math.sqrt(2 * model.cfg.n_layers)
-    with torch.no_grad():
-        cos, sin = _rope_tables(model.cfg)
-        model.rope_cos.copy_(cos)
-        model.rope_sin.copy_(sin)
-    nn.init.normal_(model.tok_embeddings.weight)
-    for block in model.layers:
-        for norm in (block.attn_norm, block.ffn_norm):
-            nn.init.ones_(norm.weight)
-        for linear in (block.attn.wq, block.attn.wk, block.attn.wv, block.ffn.w1):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        for linear in (block.attn.wo, block.ffn.w2, block.ffn.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=std_out)
-    nn.init.ones_(model.norm.weight)
-    bound = model.cfg.dim ** -0.5
-    nn.init.trunc_normal_(model.output.weight, mean=0.0, std=bound, a=-3 * bound, b=3 * bound)
-
-
 def build(variant: str, cfg: ModelConfig, device: torch.device, groups: FsdpGroups,
           tiny: bool) -> tuple[nn.Module, Callable[..., Tensor], torch.optim.Optimizer]:
     """The variant's sharded model (built on meta, ``to_empty``, initialised), its compiled forward, AdamW."""
@@ -121,7 +100,7 @@ def build(variant: str, cfg: ModelConfig, device: torch.device, groups: FsdpGrou
         backend = "aot_eager" if tiny else "inductor"
     model.to_empty(device=device)
     torch.manual_seed(0)
-    init_weights(model)
+    model.init_weights()
     forward = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     return model, forward, opt

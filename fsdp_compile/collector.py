@@ -70,8 +70,3 @@ def defer_full_collections_while_compiling() -> None:
     on_each_compile(_nothing, _undefer)  # idempotent; again after a torch._dynamo.reset() forgot it
     if in_frame_compile():
         _defer()
-
-
-def hold_full_collections_in_compiles() -> None:
-    """Old name, kept while ``sharding.py`` still imports it: does nothing any more (compiles of other
-    backends are not held; our own are, from :func:`defer_full_collections_while_compiling`)."""

@@ -91,7 +91,7 @@ def _trace(
         fully_shard(model, groups=groups)
         shards = [(p.numel(), p.element_size()) for p in model.parameters() if p.requires_grad]
         backend = make_backend(inductor=False, check_agreement=False, **backend_kw)  # hardware: see explain()
-        torch._dynamo.reset()
+        torch.compiler.reset()
         compiled = torch.compile(model, backend=backend)
         with observe_graphs() as seen, (FusedAttention() if fused_attention else contextlib.nullcontext()):
             out = loss(compiled(example))

@@ -64,13 +64,11 @@ def _eligible(unit: Unit) -> bool:
 
 def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
     """NOTE [flat shards]: lay ``unit``'s shards out as one flat tensor (when ``wanted`` and it is
-    eligible), each parameter's data a view of it; ``module``'s ``_fsdp_shards`` (what a stamped call
-    reads, NOTE [stamped blocks]) becomes the flat alone."""
+    eligible), each parameter's data a view of it."""
     unit.flat_wanted = wanted
     for sp in unit.params:
         sp.flat, sp.offset = None, 0
     unit.flat = None
-    module.__dict__["_fsdp_shards"] = tuple(sp.shard for sp in unit.params)
     if not wanted or not _eligible(unit):
         return
     first = unit.params[0].shard
@@ -88,7 +86,6 @@ def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
     flat.register_post_accumulate_grad_hook(_hand_out(unit))
     unit.flat = flat
     _flats[flat] = unit
-    module.__dict__["_fsdp_shards"] = (flat,)
 
 
 def refresh_flat(module: nn.Module, unit: Unit) -> None:

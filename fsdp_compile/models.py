@@ -6,6 +6,8 @@ model that compiles in seconds on a CPU up to Llama-3-8B/70B shapes (built on th
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 import torch
@@ -162,6 +164,27 @@ class Transformer(nn.Module):
         cos, sin = _rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_weights(self) -> None:
+        """torchtitan's Llama initialisation, through module attributes (it also runs on a sharded model
+        after ``to_empty``: every rank computes the same full values and keeps its rows), and the RoPE
+        tables, which ``to_empty`` leaves uninitialised."""
+        std_out = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        with torch.no_grad():
+            cos, sin = _rope_tables(self.cfg)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+        nn.init.normal_(self.tok_embeddings.weight)
+        for block in self.layers:
+            for norm in (block.attn_norm, block.ffn_norm):
+                nn.init.ones_(norm.weight)
+            for linear in (block.attn.wq, block.attn.wk, block.attn.wv, block.ffn.w1):
+                nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+            for linear in (block.attn.wo, block.ffn.w2, block.ffn.w3):
+                nn.init.trunc_normal_(linear.weight, mean=0.0, std=std_out)
+        nn.init.ones_(self.norm.weight)
+        bound = self.cfg.dim ** -0.5
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=bound, a=-3 * bound, b=3 * bound)
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.tok_embeddings(tokens)

@@ -1,24 +1,20 @@
 """How a sharded parameter is read: the marker compiled code calls, and the guard against gathering.
 
 Split from ``sharding.py``: a sharded module's parameter is a property; read while Dynamo traces it is one
-``fsdp::unshard`` marker on the shard (NOTE [traced reads]), read eagerly it gathers through parametrize,
-and inside :func:`no_eager_reads` it refuses to (code that inspects modules on one rank alone, NOTE
-[stamped blocks] in ``stamp.py``).
+``fsdp::unshard`` marker on the shard (NOTE [traced reads]), read eagerly it gathers through parametrize.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
 from .units import ShardedParam
 
-__all__ = ["EagerReadRefused", "accumulator", "eager_args", "forward_depth_hooks", "no_eager_reads", "traced_property",
+__all__ = ["accumulator", "eager_args", "forward_depth_hooks", "traced_property",
            "traced_unshard"]
 
 
@@ -70,25 +66,6 @@ def forward_depth_hooks(module: nn.Module) -> None:
     module.register_forward_hook(leave, always_call=True)
 
 
-class EagerReadRefused(RuntimeError):
-    """A sharded parameter was read inside :func:`no_eager_reads`."""
-
-
-_no_eager_reads = threading.local()
-
-
-@contextlib.contextmanager
-def no_eager_reads() -> Iterator[None]:
-    """Within the context, reading a sharded parameter on this thread raises ``EagerReadRefused`` instead of
-    gathering it: for code that inspects modules while one rank alone runs it (``stamp.py`` re-reading
-    Dynamo's guards), where a gather would be a collective that the other ranks never make."""
-    before, _no_eager_reads.on = getattr(_no_eager_reads, "on", False), True
-    try:
-        yield
-    finally:
-        _no_eager_reads.on = before
-
-
 def traced_property(name: str, original: property) -> property:
     """NOTE [traced reads]: a sharded parameter's property as parametrize made it, except while Dynamo
     traces: then it calls the marker on the shard straight away. Through parametrize, each read is two
@@ -98,7 +75,7 @@ def traced_property(name: str, original: property) -> property:
 
     The shard is reached through the module's own ``_fsdp_reads`` dict (name -> ShardedParam), not
     through parametrize's modules: at 32 blocks on torch 2.11's inline trace those modules and their
-    lookups were 2.0 of the 3.4 s that sharding added (``benchmarks/dynamo_reads.py``). A parameter
+    lookups were 2.0 of the 3.4 s that sharding added. A parameter
     given parametrizations of its own besides ``Unshard`` leaves that dict (``_Chain``), so the trace
     guarding on it compiles again, through parametrize's path, which applies them all."""
     through_parametrize = original.fget
@@ -109,8 +86,6 @@ def traced_property(name: str, original: property) -> property:
             sp = self._fsdp_reads.get(name)
             if sp is not None:
                 return traced_unshard(sp)
-        if getattr(_no_eager_reads, "on", False):
-            raise EagerReadRefused(f"{type(self).__name__}.{name} read while eager reads are refused")
         return through_parametrize(self)  # eager, or compiled off the lean read (Unshard's marker last)
 
     return property(get, original.fset, original.fdel, original.__doc__)

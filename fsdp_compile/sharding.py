@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ._compat import tree_map_only
-from .collector import hold_full_collections_in_compiles
 from .flat import flatten_unit
 from .gathered import gathered
 from .groups import FsdpGroups
@@ -169,7 +168,6 @@ def fully_shard(
         )
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard: expected an nn.Module, got {type(module).__name__}.")
-    hold_full_collections_in_compiles()  # NOTE [no full collections], for whole compiles
     if not isinstance(groups, FsdpGroups):
         raise TypeError(
             f"fully_shard: groups must be an FsdpGroups (FsdpGroups.create()), got {type(groups).__name__}."
@@ -255,8 +253,6 @@ def fully_shard(
         _params[p] = sp
     if stack is not None:
         add_sharded_block(stack, module, unit)
-    # A stamped call of this block reads its shards from here: one attribute, not a chain per shard
-    # (NOTE [stamped blocks] in stamp.py): the unit's flat shard, or its shards (NOTE [flat shards]).
     flatten_unit(unit, module, flat)
     _register_unit(module, unit, mp_policy)
     inner = units_under(module)

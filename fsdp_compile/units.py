@@ -90,7 +90,7 @@ class ShardedParam:
     marker_args: tuple = ()  # fsdp::unshard's constant arguments, set whenever units are (re)numbered
     traced_args: tuple = ()  # what compiled code passes instead: no unit or name when outlined (NOTE [outlined units])
     # Its unit's ``accumulating``, kept by the unit: a compiled read checks this flag of its own, not the
-    # unit every param of it shares (which Dynamo guards, for each param, as one object: NOTE [stamped blocks]).
+    # unit every param of it shares (which Dynamo guards, for each param, as one object).
     accumulating: bool = False
     # NOTE [flat shards] in flat.py: the unit's flat tensor that ``shard`` is a view of, from element
     # ``offset`` on; compiled code reads that piece of it. ``None``: compiled code reads ``shard``.

@@ -14,16 +14,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("fsdp_compile", "passes")
 COMPAT = {"fsdp_compile/_compat.py", "passes/_compat.py"}
-# Being edited elsewhere now: their private uses move to fsdp_compile/_compat.py next, and these leave
-# the list (gathered: torch._C.DisableTorchFunctionSubclass; sharding: torch.utils._pytree.tree_map_only;
-# explain: torch._dynamo.reset, public as torch.compiler.reset; state_layout:
-# torch._dynamo.eval_frame.OptimizedModule).
-NOT_MOVED_YET = {
-    "fsdp_compile/explain.py",
-    "fsdp_compile/gathered.py",
-    "fsdp_compile/sharding.py",
-    "fsdp_compile/state_layout.py",
-}
 # Private torch modules (and anything else under ``torch._x.``, or ``torch.utils._x``).
 PRIVATE_MODULES = {"_dynamo", "_inductor", "_functorch", "_subclasses", "_guards", "_C", "_logging", "_prims",
                    "_higher_order_ops", "_ops"}
@@ -74,7 +64,7 @@ def test_private_torch_only_in_the_compat_modules() -> None:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel in COMPAT or rel in NOT_MOVED_YET:
+            if rel in COMPAT:
                 continue
             uses = private_uses(path.read_text())
             if uses:

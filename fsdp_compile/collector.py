@@ -67,6 +67,6 @@ def defer_full_collections_while_compiling() -> None:
     """No full collection from now to the end of the Dynamo compile running now (the backend calls it
     first; NOTE [no full collections], to the end of our compile). Outside a Dynamo compile (a backend
     called by hand) it does nothing, as nothing would end the deferral."""
-    on_each_compile(_nothing, _undefer)  # idempotent; again after a torch._dynamo.reset() forgot it
+    on_each_compile(_nothing, _undefer)  # idempotent; again after a torch.compiler.reset() forgot it
     if in_frame_compile():
         _defer()

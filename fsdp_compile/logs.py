@@ -4,8 +4,8 @@ NOTE [the fsdp_schedule artifact]: ``import fsdp_compile`` registers the ``fsdp_
 artifact (nothing runs at ``import torch``). Torch checks ``TORCH_LOGS`` at its own import, before the
 artifact exists; the setting passes that check because ``fsdp_schedule`` is also the name of an empty
 top-level module (``fsdp_schedule.py``), and registering the artifact here switches it on when
-``TORCH_LOGS`` names it. After import, ``torch._logging.set_logs(modules={"fsdp_schedule": True})`` switches
-it on too (``set_logs`` takes artifacts registered outside torch through ``modules``).
+``TORCH_LOGS`` names it. After import, torch's ``set_logs(modules={"fsdp_schedule": True})`` switches it
+on too (``set_logs`` takes artifacts registered outside torch through ``modules``).
 
 The text log comes from rank 0 alone by default (every rank compiles the same schedule: the agreement
 check makes sure of it); ``FSDP_COMPILE_LOG_RANKS=all`` (or a list, ``0,3``) logs from other ranks

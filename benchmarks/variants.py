@@ -8,7 +8,6 @@ fresh model from a seed (``benchmarks.models``) and returns its ``Runner``.
 
 from __future__ import annotations
 
-import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,8 +70,6 @@ def unavailable_reason(name: str, world: int, device: torch.device | str = "cpu"
         from torch.distributed.fsdp import FSDPModule
         if not hasattr(FSDPModule, "set_separate_reduce_scatter_group"):
             return f"torch {torch.__version__} has no FSDPModule.set_separate_reduce_scatter_group"
-    if name == "fsdp-compile-keep" and "elide_single_rank" not in inspect.signature(make_backend).parameters:
-        return "make_backend has no elide_single_rank option"
     return None
 
 

@@ -32,6 +32,20 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _two_steps(run: Any, params: Any) -> list[float]:
+    """Two AdamW steps of ``run`` (a causal LM) on the fixed batch; the losses."""
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    x, y = _batch()
+    losses = []
+    for _ in range(2):
+        loss = F.cross_entropy(run(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def round_trip(rank: int, world: int, src: str, dst: str) -> dict[str, Any]:
     warnings.simplefilter("ignore")  # the one-time "gathered eagerly" warning
     groups = FsdpGroups.create()
@@ -45,15 +59,7 @@ def round_trip(rank: int, world: int, src: str, dst: str) -> dict[str, Any]:
     loaded = {k: v.clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
     inv_freq = model.model.rotary_emb.inv_freq.clone()
     compiled = torch.compile(model, backend=make_backend(inductor=False))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x, y = _batch()
-    losses = []
-    for _ in range(2):
-        loss = F.cross_entropy(compiled(input_ids=x).logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _two_steps(compiled, model.parameters())
     trained = {k: v.clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
     hf.save_pretrained(model, dst)
     groups.destroy()
@@ -68,15 +74,7 @@ def test_hugging_face_llama_in_and_out_at_two_ranks(tmp_path: Path) -> None:
     results = run_ranks(round_trip, 2, str(tmp_path / "src"), str(tmp_path / "dst"), timeout=600)
     want = {k: v.clone() for k, v in source.state_dict().items()}
     # The reference: the same two steps on the unsharded model.
-    opt = torch.optim.AdamW(source.parameters(), lr=1e-2)
-    x, y = _batch()
-    ref_losses = []
-    for _ in range(2):
-        loss = F.cross_entropy(source(input_ids=x).logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = _two_steps(source, source.parameters())
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst")
     assert back.lm_head.weight is back.model.embed_tokens.weight, "the tie survives the round trip"
     for rank, r in enumerate(results):

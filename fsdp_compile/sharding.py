@@ -356,13 +356,14 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
         unit.index = i
         for sp in unit.params:
             sp.marker_args = _marker_args(sp)
-            anonymous = unit.outlined or unit.stacked  # traced once for many units: NOTE [outlined units]
+            anonymous = unit.outlined or unit.stacked  # alike blocks trace alike: NOTE [outlined units]
             sp.traced_args = _anonymous(sp.marker_args) if anonymous else sp.marker_args
 
 
 def _choose_outlined(units: list[Unit]) -> None:
-    """NOTE [outlined units]: outline the units that hold no other unit and share their forward with
-    another such unit, unless ``fully_shard(outline=)`` said otherwise; switch their classes."""
+    """NOTE [outlined units]: make outline candidates of the units that hold no other unit and share their
+    forward with another such unit, unless ``fully_shard(outline=)`` said otherwise; switch their classes
+    (which blocks then share a body is decided from their traced graphs: NOTE [outlining by proof])."""
     inside: dict[int, list[Unit]] = {id(u): [] for u in units}
     for outer in units:
         mods = {id(m) for m in outer.module.modules()}

@@ -47,7 +47,7 @@ class Unit:
     fqn: str = ""
     params: list[ShardedParam] = field(default_factory=list)
     outline: bool | None = None  # what fully_shard(outline=) asked for; None: decide (NOTE [outlined units])
-    outlined: bool = False  # its forward is compiled once for every unit of its class (NOTE [outlined units])
+    outlined: bool = False  # an outline candidate: may share a body with identical blocks (NOTE [outlined units])
     stacked: bool = False  # a block of a BlockStack, traced once with the stack's other blocks (NOTE [stacked blocks])
     flat: Tensor | None = None  # its shards as one tensor, each a view of it (NOTE [flat shards] in flat.py)
     flat_wanted: bool = True  # what fully_shard(flat=) asked for

@@ -71,11 +71,9 @@ def is_grouped_unshard(node: fx.Node) -> bool:
     return _schema_name(node) == "fsdp::unshard_many"
 
 
-
 def is_grouped_reduce_grad(node: fx.Node) -> bool:
     """``[full grads] -> fsdp::reduce_grad_many -> shard grads``"""
     return _schema_name(node) == "fsdp::reduce_grad_many"
-
 
 
 def is_flat_unshard(node: fx.Node) -> bool:
@@ -83,11 +81,9 @@ def is_flat_unshard(node: fx.Node) -> bool:
     return _schema_name(node) == "fsdp::unshard_flat"
 
 
-
 def is_flat_reduce_grad(node: fx.Node) -> bool:
     """``[full grads] -> fsdp::reduce_grad_flat -> the flat's gradient``"""
     return _schema_name(node) == "fsdp::reduce_grad_flat"
-
 
 
 def is_all_gather(node: fx.Node) -> bool:
@@ -236,7 +232,6 @@ _NARROW = {torch.ops.aten.narrow.default, torch.ops.aten.slice.Tensor}
 _VIEW = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
 
 
-
 def flat_piece(node: object) -> tuple[fx.Node, int, int, list[fx.Node]] | None:
     """``base -> narrow(0, offset, n) [-> view(shape)] -> node``, as Dynamo records the read of a flat
     shard's piece (``Tensor.narrow`` / ``Tensor.view`` methods) or as ATen ops: ``(base, offset, n, the
@@ -264,7 +259,6 @@ def flat_piece(node: object) -> tuple[fx.Node, int, int, list[fx.Node]] | None:
     if not isinstance(val, Tensor) or val.dim() != 1:
         return None
     return base, start, length, chain
-
 
 
 def _is(node: fx.Node, method: str, targets: set) -> bool:

@@ -139,7 +139,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
         profile = cProfile.Profile()
         profile.enable()
-    from fsdp_compile.backend import observe_graphs
+    from fsdp_compile.compile.backend import observe_graphs
 
     # Observing the compiled graphs bypasses AOTAutograd's cache (NOTE [warm start]): not on warm starts.
     warm_start = os.environ.get("TORCHINDUCTOR_AUTOGRAD_CACHE") == "1"

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 from benchmarks.variants import own_forward, raise_recompile_limit
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
-from fsdp_compile.models import PRESETS, ModelConfig, Transformer, loss_fn
+from fsdp_compile.examples.models import PRESETS, ModelConfig, Transformer, loss_fn
 
 VARIANTS = ("fsdp-compile", "fsdp2-compile")
 PEAK_TFLOPS = 989.0  # bf16 dense, H100/H200 SXM

@@ -2,7 +2,7 @@
 
 Two model kinds, both a stack of blocks that ``fully_shard`` makes one unit each:
 
-* ``llama``: :class:`fsdp_compile.models.Transformer` (``model.layers``), next-token cross-entropy;
+* ``llama``: :class:`fsdp_compile.examples.models.Transformer` (``model.layers``), next-token cross-entropy;
 * ``mlp``: ``layers`` blocks of ``Linear(D, 4D) -> GELU -> Linear(4D, D)`` on a ``(tokens, D)`` input,
   loss ``output.float().pow(2).mean()``.
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_compile.models import ModelConfig, Transformer, loss_fn
+from fsdp_compile.examples.models import ModelConfig, Transformer, loss_fn
 
 __all__ = ["DTYPES", "MODEL_KINDS", "PEAK_FLOPS", "PRESETS", "CudaPeak", "Mlp", "ModelSpec", "RssSampler", "Runner",
            "blocks_of", "build_model", "loss_of", "make_batch", "peak_flops_for", "read_rss_bytes", "run_delay_s",
@@ -150,10 +150,10 @@ def build_model(spec: ModelSpec, device: torch.device | str) -> nn.Module:
 
 
 def stack_blocks(model: nn.Module) -> nn.Module:
-    """Put a Llama's blocks into one :class:`fsdp_compile.stack.BlockStack` (``model.layers``), which
+    """Put a Llama's blocks into one :class:`fsdp_compile.api.stack.BlockStack` (``model.layers``), which
     Dynamo then traces one block for all (NOTE [stacked blocks]); returns the stack."""
-    from fsdp_compile.models import Transformer
-    from fsdp_compile.stack import BlockStack
+    from fsdp_compile.examples.models import Transformer
+    from fsdp_compile.api.stack import BlockStack
 
     if not isinstance(model, Transformer):
         raise ValueError(f"stack_blocks: only the llama model calls a BlockStack, not {type(model).__name__}; "

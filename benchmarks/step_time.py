@@ -54,7 +54,7 @@ from benchmarks.variants import (DEFAULT_VARIANTS, OPTIMIZERS, VARIANTS, SharedG
                                  raise_recompile_limit, unavailable_reason)
 from benchmarks.step_report import (RankReport, VariantRun, default_json_path, header_line, markdown_table,
                                     summarize, write_json, write_png)
-from fsdp_compile.launch import run_ranks
+from fsdp_compile.examples.launch import run_ranks
 
 @dataclass(frozen=True)
 class BenchOptions:

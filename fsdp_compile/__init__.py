@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from .accumulate import set_requires_gradient_sync
-from .backend import fsdp_backend, make_backend
-from .checkpoint import (
+from fsdp_compile.api.accumulate import set_requires_gradient_sync
+from fsdp_compile.compile.backend import fsdp_backend, make_backend
+from fsdp_compile.api.checkpoint import (
     get_full_model_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from .groups import Dedicated, FsdpGroups
-from .module import FsdpModule
-from .grads import ShardGrad
-from .sharding import MixedPrecisionPolicy, fully_shard, local_shard
-from .stack import BlockStack
+from fsdp_compile.api.groups import Dedicated, FsdpGroups
+from fsdp_compile.api.module import FsdpModule
+from fsdp_compile.api.grads import ShardGrad
+from fsdp_compile.api.sharding import MixedPrecisionPolicy, fully_shard, local_shard
+from fsdp_compile.api.stack import BlockStack
 
 __all__ = [
     "BlockStack",

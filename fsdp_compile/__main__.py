@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from . import demo
-from .cost import HARDWARE
-from .explain import explain
-from .models import PRESETS
+from fsdp_compile.examples import demo
+from fsdp_compile.inspect.cost import HARDWARE
+from fsdp_compile.inspect.explain import explain
+from fsdp_compile.examples.models import PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:

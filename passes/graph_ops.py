@@ -1,5 +1,5 @@
 """The ``fsdp::`` ops that the passes put into graphs; the two per-parameter markers they start from,
-``fsdp::unshard`` and ``fsdp::reduce_grad``, are ``fsdp_compile/ops.py``'s.
+``fsdp::unshard`` and ``fsdp::reduce_grad``, are ``fsdp_compile/api/markers.py``'s.
 
 - The markers' arguments, once (NOTE [one marker spec] below), which every marker op follows.
 - Grouped markers: ``unshard_many`` / ``reduce_grad_many`` (NOTE [grouped markers] in
@@ -55,7 +55,7 @@ def numel(shape: Sequence[int]) -> int:
 
 Spec = tuple[tuple[str, str], ...]  # (name, schema type) of each argument, in order
 
-# NOTE [one marker spec]: the arguments of the two markers, written once. ``fsdp_compile/ops.py`` defines
+# NOTE [one marker spec]: the arguments of the two markers, written once. ``fsdp_compile/api/markers.py`` defines
 # ``fsdp::unshard`` and ``fsdp::reduce_grad`` with Python signatures (``torch.library.custom_op`` reads
 # them; tests/test_passes_grouped.py checks them against these); the grouped markers below take the
 # per-parameter arguments as lists and the ``*_SHARED`` ones once, their schemas built from here; the

@@ -20,15 +20,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile import FsdpGroups, fully_shard
-from fsdp_compile.checkpoint import (
+from fsdp_compile.api.checkpoint import (
     get_full_model_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from fsdp_compile.models import Transformer, loss_fn
-from fsdp_compile.sharding import unit_of
+from fsdp_compile.examples.models import Transformer, loss_fn
+from fsdp_compile.api.sharding import unit_of
 from .workers import TINY, UnevenModel, shard_model
 
 GLOBAL_BATCH = 4

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compile import FsdpGroups, fully_shard, get_full_model_state_dict, make_backend
-from fsdp_compile.backend import observe_graphs
-from fsdp_compile.models import Transformer, loss_fn
+from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.examples.models import Transformer, loss_fn
 
 from .workers import TINY
 

@@ -15,9 +15,9 @@ from expecttest import TestCase
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
-from fsdp_compile.backend import observe_graphs
-from fsdp_compile.schedule import group_labels, listing
-from fsdp_compile.models import ModelConfig
+from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.inspect.schedule import group_labels, listing
+from fsdp_compile.examples.models import ModelConfig
 import passes.graph_ops  # noqa: F401  (registers torch.ops.fsdp.copy_out_rows)
 from passes.predicates import is_all_gather, is_reduce_scatter, is_wait
 

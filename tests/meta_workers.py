@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, get_model_state_dict, make_backend, set_model_state_dict
-from fsdp_compile.materialize import check_built_alike, local_sums
+from fsdp_compile.api.materialize import check_built_alike, local_sums
 
 FULL = StateDictOptions(full_state_dict=True)
 BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from fsdp_compile import FsdpGroups, local_shard, make_backend
-from fsdp_compile.models import Transformer, loss_fn
+from fsdp_compile.examples.models import Transformer, loss_fn
 
 from .workers import TINY, UnevenModel, make_optimizer, shard_model
 

@@ -17,9 +17,9 @@ from torch import Tensor, fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fsdp_compile.ops as fsdp_ops
+import fsdp_compile.api.markers as fsdp_ops
 import passes.graph_ops as bucket_copies
-from fsdp_compile.schedule import listing
+from fsdp_compile.inspect.schedule import listing
 from passes import NamedPass
 from passes.lower.bucket import bucket_pass
 from passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
@@ -212,7 +212,7 @@ def run(gm: fx.GraphModule, *, ranks: bool = True) -> list[Tensor]:
 
 
 def show(gm: fx.GraphModule) -> str:
-    """The schedule listing (``fsdp_compile.schedule``) with the group labels of these graphs."""
+    """The schedule listing (``fsdp_compile.inspect.schedule``) with the group labels of these graphs."""
     return listing(gm, LABELS)
 
 
@@ -263,7 +263,7 @@ def names(gm: fx.GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes]
 
 
-# The backend's pass list (fsdp_compile.backend), with its default settings.
+# The backend's pass list (fsdp_compile.compile.backend), with its default settings.
 PIPELINE = [
     NamedPass("lower_unshard", lower_unshard_pass),
     NamedPass("lower_reduce_grad", lower_reduce_grad_pass),

@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_compile import FsdpGroups, lockstep, make_backend
-from fsdp_compile.agreement import GraphIdentity, fingerprint
-from fsdp_compile.launch import RankFailure, run_ranks
+from fsdp_compile import FsdpGroups, make_backend
+
+from fsdp_compile.safety import lockstep
+from fsdp_compile.safety.agreement import GraphIdentity, fingerprint
+from fsdp_compile.examples.launch import RankFailure, run_ranks
 
 from .graph_utils import ThreeUnits, capture, shard_blocks_then_root
 
@@ -52,7 +54,7 @@ def same_graph_everywhere(rank: int, world: int) -> None:
 def stacks_of_different_lengths(rank: int, world: int) -> None:
     """Rank 1's stack has one block more, so its graph gathers more (NOTE [stacked blocks])."""
     from fsdp_compile import fully_shard
-    from fsdp_compile.stack import BlockStack
+    from fsdp_compile.api.stack import BlockStack
 
     groups = FsdpGroups.create()
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
-"""DCP checkpoints of sharded models (fsdp_compile/checkpoint.py): resharding, padding, full export, errors.
+"""DCP checkpoints of sharded models (fsdp_compile/api/checkpoint.py): resharding, padding, full export, errors.
 
-Multi-process cases run on gloo through fsdp_compile.launch.run_ranks (rank functions in
+Multi-process cases run on gloo through fsdp_compile.examples.launch.run_ranks (rank functions in
 tests/checkpoint_workers.py), training uncompiled for speed; the layout and error checks run in this
 process under a fake process group.
 """
@@ -20,14 +20,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp_compile import FsdpGroups, fully_shard
-from fsdp_compile.checkpoint import (
+from fsdp_compile.api.checkpoint import (
     get_full_model_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from fsdp_compile.launch import run_ranks
+from fsdp_compile.examples.launch import run_ranks
 from .checkpoint_workers import AFTER, BEFORE, at_four_ranks, load_odd, reference, resume, save_and_continue
 from .graph_utils import fake_process_group
 from .workers import ref_slice

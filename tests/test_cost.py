@@ -1,4 +1,4 @@
-"""The cost model (``fsdp_compile.cost``) and the schedule simulator (``fsdp_compile.timeline``).
+"""The cost model (``fsdp_compile.inspect.cost``) and the schedule simulator (``fsdp_compile.inspect.timeline``).
 
 Graphs are hand-built (meta tensors as ``meta["val"]``) or captured from ``ThreeUnits`` at world size
 2 under a fake process group, without Inductor. Snapshot: ``EXPECTTEST_ACCEPT=1`` updates it.
@@ -17,7 +17,7 @@ from expecttest import TestCase
 from torch import fx
 
 from fsdp_compile import FsdpGroups
-from fsdp_compile.cost import (
+from fsdp_compile.inspect.cost import (
     HARDWARE,
     Hardware,
     collective_seconds,
@@ -29,9 +29,9 @@ from fsdp_compile.cost import (
     optimizer_seconds,
     write_calibration,
 )
-from fsdp_compile.fusion import graph_seconds
-from fsdp_compile.schedule import group_labels
-from fsdp_compile.timeline import Timeline, _beside_collectives, chrome_trace, simulate, table, write_png
+from fsdp_compile.inspect.fusion import graph_seconds
+from fsdp_compile.inspect.schedule import group_labels
+from fsdp_compile.inspect.timeline import Timeline, _beside_collectives, chrome_trace, simulate, table, write_png
 
 from passes.predicates import op_name
 

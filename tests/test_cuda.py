@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_compile.launch import run_ranks
+from fsdp_compile.examples.launch import run_ranks
 
 from .test_numerics import check
 from .misuse_workers import clip_training

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_compile.launch import run_ranks
+from fsdp_compile.examples.launch import run_ranks
 
 from .exactness_workers import PATTERNS, Run, backward_twice, lengths_per_rank, train_patterns
 

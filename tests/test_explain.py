@@ -14,9 +14,9 @@ import torch
 from expecttest import TestCase
 
 from fsdp_compile.__main__ import main as cli
-from fsdp_compile.explain import Explanation, explain
-from fsdp_compile.logs import logs_on_rank
-from fsdp_compile.models import PRESETS, ModelConfig
+from fsdp_compile.inspect.explain import Explanation, explain
+from fsdp_compile.inspect.logs import logs_on_rank
+from fsdp_compile.examples.models import PRESETS, ModelConfig
 
 from .graph_utils import ThreeUnits
 
@@ -161,8 +161,8 @@ def test_auto_prefetch_follows_the_cost_model(groups: object) -> None:
     """Slow links: prefetching pays, "auto" prefetches. Instant links: nothing to hide, depth 0."""
     import dataclasses
 
-    from fsdp_compile.autotune import choose
-    from fsdp_compile.cost import HARDWARE
+    from fsdp_compile.inspect.autotune import choose
+    from fsdp_compile.inspect.cost import HARDWARE
 
     from .graph_utils import capture, shard_blocks_then_root
 

@@ -1,4 +1,4 @@
-"""One flat shard per unit (NOTE [flat shards] in fsdp_compile/flat.py): layout, reads, gradients handed out,
+"""One flat shard per unit (NOTE [flat shards] in fsdp_compile/api/flat_shard.py): layout, reads, gradients handed out,
 and what keeps parameters and flat in step.
 
 The numerics here run in this process on a gloo group of one rank with the collectives kept
@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import fx
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
-from fsdp_compile.backend import observe_graphs
-from fsdp_compile.models import ModelConfig, Transformer
-from fsdp_compile.units import unit_of
+from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.examples.models import ModelConfig, Transformer
+from fsdp_compile.api.units import unit_of
 from passes.lower.tiles import tiles_pass
 from passes.predicates import is_flat_reduce_grad, is_flat_unshard
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
-from fsdp_compile.models import ModelConfig, Transformer
+from fsdp_compile.examples.models import ModelConfig, Transformer
 
 CFG = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=16, max_seq_len=8)
 
@@ -53,7 +53,7 @@ def test_the_heartbeat_stops_with_its_process_group() -> None:
     import threading
     import time
 
-    from fsdp_compile.peers import HEARTBEAT_S
+    from fsdp_compile.safety.peers import HEARTBEAT_S
 
     def beating() -> bool:
         return any(t.name == "fsdp_compile-heartbeat" and t.is_alive() for t in threading.enumerate())

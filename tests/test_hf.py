@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsdp_compile import FsdpGroups, fully_shard
-from fsdp_compile.launch import run_ranks
+from fsdp_compile.examples.launch import run_ranks
 
 from .test_numerics import check
 from .workers import TINY, Case, HuggingFace, train_cases

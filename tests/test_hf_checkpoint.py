@@ -1,4 +1,4 @@
-"""Hugging Face in and out (fsdp_compile/hf.py) with a tiny Llama whose head is tied to its embedding: a
+"""Hugging Face in and out (fsdp_compile/api/hf.py) with a tiny Llama whose head is tied to its embedding: a
 ``save_pretrained`` directory loaded into a model built on the meta device and sharded at 2 gloo ranks
 (rank 0 reads), two compiled steps, then written back and read by ``from_pretrained`` in one process."""
 
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend
-from fsdp_compile.launch import run_ranks
+from fsdp_compile.examples.launch import run_ranks
 
 transformers = pytest.importorskip("transformers")
-hf = pytest.importorskip("fsdp_compile.hf")
+hf = pytest.importorskip("fsdp_compile.api.hf")
 
 
 def config() -> Any:

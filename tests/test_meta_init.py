@@ -1,4 +1,4 @@
-"""Meta-device initialisation (fsdp_compile/materialize.py, gathered.py), rank-0 broadcast loading
+"""Meta-device initialisation (fsdp_compile/api/materialize.py, gathered.py), rank-0 broadcast loading
 (full_state.py) and the check that ranks were built alike, against the unsharded model, on 2 and 3 gloo
 ranks (uneven shards). Rank functions: tests/meta_workers.py."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_compile.launch import run_ranks
+from fsdp_compile.examples.launch import run_ranks
 
 from .meta_workers import (
     INITS,

@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 
-from fsdp_compile.launch import RankFailure, run_ranks
+from fsdp_compile.examples.launch import RankFailure, run_ranks
 
 from . import graph_utils
 from .misuse_workers import (

@@ -1,6 +1,6 @@
 """Sharded, compiled training on several gloo ranks equals single-process training on the global batch.
 
-Each case runs in spawned processes (fsdp_compile/launch.py: a deadline instead of a hang, and every
+Each case runs in spawned processes (fsdp_compile/examples/launch.py: a deadline instead of a hang, and every
 rank's traceback on failure). The reference runs eagerly in each rank's process on the whole global
 batch; fp32 losses must agree to a relative 1e-5 over every step, and the first step's sharded grads
 must equal the matching rows of the reference grads.
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_compile.launch import run_ranks
+from fsdp_compile.examples.launch import run_ranks
 from .workers import TINY, Case, train_case, train_cases
 
 RTOL = 1e-5

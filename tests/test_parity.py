@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fsdp_compile import MixedPrecisionPolicy
-from fsdp_compile.launch import run_ranks
+from fsdp_compile.examples.launch import run_ranks
 
 from .test_numerics import check
 from .workers import Case, train_case, train_cases

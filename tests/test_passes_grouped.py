@@ -169,7 +169,7 @@ reduce_scatter_tensor wait_tensor div as_strided as_strided t mm""")
 
 
 def test_every_marker_follows_the_one_marker_spec() -> None:
-    """NOTE [one marker spec]: the markers' Python signatures (fsdp_compile/ops.py, which
+    """NOTE [one marker spec]: the markers' Python signatures (fsdp_compile/api/markers.py, which
     ``torch.library.custom_op`` needs) and the readers ``UnshardArgs`` / ``ReduceGradArgs`` name the
     arguments of ``UNSHARD_ARGS`` / ``REDUCE_GRAD_ARGS``, in order and with those schema types; the
     grouped markers end with the shared ones."""

@@ -1,6 +1,6 @@
 """benchmarks.peers: SimpleFSDP's compile settings and joint-graph tagging, and why each peer is not measured
 on CPU (both need CUDA: see the reasons); world1_costs' snapshot replay. And the other peers, the ranks
-(``fsdp_compile.peers``): its hooks on the process last only while an ``FsdpGroups`` does."""
+(``fsdp_compile.safety.peers``): its hooks on the process last only while an ``FsdpGroups`` does."""
 
 from __future__ import annotations
 
@@ -122,6 +122,6 @@ def test_the_rank_hooks_last_as_long_as_the_groups() -> None:
     """NOTE [peers]: ``sys.excepthook`` and the heartbeat are ours from ``FsdpGroups.create()`` to the
     last ``destroy()``, then the user's hook is back (a hook installed over ours meanwhile is kept). In a
     process of its own: groups another test left alive here would hold the hook."""
-    from fsdp_compile.launch import run_ranks
+    from fsdp_compile.examples.launch import run_ranks
 
     run_ranks(_hooks_follow_the_groups, 1, timeout=120)

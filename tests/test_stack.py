@@ -1,4 +1,4 @@
-"""Stacked blocks (NOTE [stacked blocks] in fsdp_compile/stack.py, NOTE [unrolled stacks] in
+"""Stacked blocks (NOTE [stacked blocks] in fsdp_compile/api/stack.py, NOTE [unrolled stacks] in
 passes/capture/unroll.py): a ``BlockStack`` computes what its blocks compute; Dynamo traces one block for all of
 them; the backend unrolls that trace into one call of one body per block, so the schedule is the
 outlined model's, block for block; the blocks stay ordinary units (names, state dicts, accumulation);
@@ -25,11 +25,11 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend
-from fsdp_compile.backend import observe_graphs
-from fsdp_compile.models import Transformer, loss_fn
-from fsdp_compile.schedule import group_labels, listing
-from fsdp_compile.stack import BlockStack, stack_of
-from fsdp_compile.units import unit_of
+from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.examples.models import Transformer, loss_fn
+from fsdp_compile.inspect.schedule import group_labels, listing
+from fsdp_compile.api.stack import BlockStack, stack_of
+from fsdp_compile.api.units import unit_of
 from passes.capture.unroll import unroll_scans_pass
 
 from .graph_utils import SMALL, FakeWorldTestCase, capture, fake_process_group, shard_blocks_then_root
@@ -428,8 +428,8 @@ def test_a_warm_start_loads_the_stack_and_a_different_block_compiles_again() -> 
 
 def test_the_demo_trains_the_same_with_its_blocks_stacked() -> None:
     """``python -m fsdp_compile demo --stack``: 2 gloo ranks, Inductor, the same losses as the outlined demo."""
-    from fsdp_compile.demo import DemoArgs, train
-    from fsdp_compile.launch import run_ranks
+    from fsdp_compile.examples.demo import DemoArgs, train
+    from fsdp_compile.examples.launch import run_ranks
 
     args = DemoArgs(preset="tiny", steps=3, batch=2, seq=16)
     outlined = run_ranks(train, 2, args, timeout=600)[0]

@@ -19,10 +19,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import _world
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
-from fsdp_compile.sharding import _cast_hooks
-from fsdp_compile.models import FeedForward, ModelConfig, Transformer, loss_fn
-from fsdp_compile.stack import BlockStack
-from fsdp_compile.sharding import unit_of
+from fsdp_compile.api.sharding import _cast_hooks
+from fsdp_compile.examples.models import FeedForward, ModelConfig, Transformer, loss_fn
+from fsdp_compile.api.stack import BlockStack
+from fsdp_compile.api.sharding import unit_of
 
 TINY = ModelConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_seq_len=16)
 

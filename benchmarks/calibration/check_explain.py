@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from fsdp_compile.explain import explain
-from fsdp_compile.models import ModelConfig
+from fsdp_compile.inspect.explain import explain
+from fsdp_compile.examples.models import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,7 @@ def whole_steps(b: Bench, names: list[str]) -> list[dict[str, Any]]:
     """fsdp-compile (``fsdp_backend``, world size 1) training steps with AdamW, as benchmarks.step_time runs them."""
     from benchmarks.models import Mlp
     from fsdp_compile import FsdpGroups, fsdp_backend, fully_shard
-    from fsdp_compile.models import ModelConfig, Transformer, loss_fn
+    from fsdp_compile.examples.models import ModelConfig, Transformer, loss_fn
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

@@ -2,7 +2,7 @@
 
 NOTE [grouped markers]: AOTAutograd's trace costs about the same per op whatever the op does (on the
 CPU here a marker's forward and backward cost what a multiply's do), and once blocks are outlined
-(NOTE [outlined units] in ``fsdp_compile/module.py``) the per-parameter markers are most of what it
+(NOTE [outlined units] in ``fsdp_compile/api/module.py``) the per-parameter markers are most of what it
 traces per block: nine ``fsdp::unshard`` before each call of a Llama block and nine ``fsdp::reduce_grad``
 after its backward, against one call each way. So just before AOTAutograd, the markers that gather the
 parameters one call reads become one ``fsdp::unshard_many`` (:func:`group_markers_pass`), whose
@@ -21,7 +21,7 @@ other argument shared. The ops are ``passes/graph_ops.py``'s; their eager implem
 per-parameter markers.
 
 NOTE [flat shards]: ``fully_shard`` lays a unit's shards out as one flat tensor per rank (every shard a
-view of it, in the unit's order; ``fsdp_compile/flat.py``) and a compiled read of parameter ``i`` is the
+view of it, in the unit's order; ``fsdp_compile/api/flat_shard.py``) and a compiled read of parameter ``i`` is the
 marker on a piece of it, ``unshard(flat.narrow(0, off_i, n_i).view(shape_i), ...)``: Dynamo then takes
 one input per unit, not one per parameter. When one outlined call reads every piece of a flat, its
 markers become one ``fsdp::unshard_flat`` of the flat itself (:func:`group_flat`), whose backward is

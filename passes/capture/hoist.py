@@ -1,7 +1,7 @@
 """Move the ``fsdp::unshard`` markers out of outlined bodies to every call of the body.
 
 NOTE [hoisting markers]: an outlined unit's forward reaches the backend as one ``invoke_subgraph`` body
-called once per unit (NOTE [outlined units] in fsdp_compile/module.py); each call passes the unit's
+called once per unit (NOTE [outlined units] in fsdp_compile/api/module.py); each call passes the unit's
 shards, and the body gathers them with markers of its own. The passes schedule collectives in the
 outer graph, so this pass moves each marker that reads only body inputs out to the calls: the body
 takes the gathered parameter instead of the shard, and each call gathers its own unit's shard::

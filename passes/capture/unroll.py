@@ -1,11 +1,11 @@
 """Unroll a ``scan`` that reads sharded parameters into one ``invoke_subgraph`` call of its body per iteration.
 
-NOTE [unrolled stacks]: a ``BlockStack`` (``fsdp_compile/stack.py``) reaches the backend as one ``scan``
+NOTE [unrolled stacks]: a ``BlockStack`` (``fsdp_compile/api/stack.py``) reaches the backend as one ``scan``
 whose body is one block and whose inputs are every block's parameters, stacked per role: Dynamo traced
 the block once, however deep the stack. Run as a loop, an iteration could not leave a collective in
 flight into the next one, so nothing would be prefetched and no reduce-scatter would overlap the next
 block's backward. This pass, run on Dynamo's graph before AOTAutograd, makes the loop what an outlined
-model is made of (NOTE [outlined units] in ``fsdp_compile/module.py``): one call of one body per block,
+model is made of (NOTE [outlined units] in ``fsdp_compile/api/module.py``): one call of one body per block,
 each reading its own block's parameters. The body is then partitioned once and compiled once, the
 markers move out of it to the calls (``hoist.py``), and the scheduling passes place every block's
 collectives across blocks::

@@ -10,7 +10,7 @@ After (each wait right after its launch: the later passes bucket, move and pin t
     grad -> [cast] -> [pad] -> reduce_scatter_tensor(sum, rs_group) -> wait_tensor
          -> [all_reduce(sum, replicate_group) -> wait_tensor] -> div(dp ranks) -> [cast] -> view
 
-See NOTE [padding] in ``fsdp_compile/ops.py``. A world size of one needs no collective: by default the
+See NOTE [padding] in ``fsdp_compile/api/markers.py``. A world size of one needs no collective: by default the
 all-gather and reduce-scatter are left out and only the casts (and views) remain.
 """
 

@@ -3,7 +3,7 @@
 AOTAutograd installs the partitioned forward (or backward) of an outlined body once per call, each under
 a name of its own, while Inductor lowers a subgraph once per *name*: without this pass it would lower
 and generate code for the same block once per call again (NOTE [outlined units] in
-fsdp_compile/module.py).
+fsdp_compile/api/module.py).
 """
 
 from __future__ import annotations

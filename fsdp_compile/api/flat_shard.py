@@ -1,0 +1,176 @@
+"""One flat shard per unit: the unit's shards are views of one tensor, which compiled code reads.
+
+NOTE [flat shards]: compile time per block grows with what Dynamo, AOTAutograd and Inductor are handed
+per block, and a Llama block's nine shards were nine graph inputs (each a fake tensor, a guard, a
+placeholder in both graphs), nine gradients, and the views that pack them into the all-gather and
+unpack the reduce-scatter. So ``fully_shard`` lays a unit's shards out as one 1-D tensor per rank, in
+the unit's order, the ``flat``; each ``nn.Parameter`` stays the leaf the optimizer updates and the
+user reads, its storage now a view of the flat. Compiled code reads parameter ``i`` as the piece
+``flat.narrow(0, offset_i, n_i).view(shape_i)`` (``reads.traced_unshard``), so Dynamo takes one input
+per unit; the backend gathers the flat in one copy and hands the reduce-scatter's output on as the
+flat's gradient (``passes/capture/group_markers.py``). After each backward, a hook on the flat hands each parameter its
+piece of that gradient as its ``.grad`` (a view; added to a ``.grad`` already there, as autograd
+accumulates), for the parameters that require grad; the flat's own ``.grad`` is then cleared.
+
+What keeps the two in step: the optimizer and ``load_state_dict`` write parameters in place, which
+writes the flat. ``module.to(...)``, ``.half()``, ``to_empty`` (``nn.Module._apply``) replace each
+parameter's data: the unit's module lays the flat out again afterwards (``FsdpModule._apply``). Any other
+replacement of a parameter's data (``p.data = t``) is found before the next compiled step runs
+(:func:`flat_check`): data of the same shape, dtype and device is copied into the flat and the
+parameter made its view again; anything else raises, naming the fix.
+
+A unit is laid out flat when it has two or more parameters of one dtype and device, all requiring grad
+when ``fully_shard`` runs, and is no stacked block (``stack.py`` reads shards its own way). A parameter
+frozen later is still read from the flat (its gradient computed and reduced, never handed out: freeze
+before ``fully_shard`` to save that work).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fsdp_compile.api.grads import as_shard_grad
+from fsdp_compile.api.materialize import rebind_params
+from fsdp_compile.api.units import ShardedParam, Unit
+
+__all__ = ["flat_check", "flat_member", "flatten_unit", "is_flat", "refresh_flat"]
+
+_flats: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat tensor -> Unit
+
+
+def is_flat(tensor: object) -> bool:
+    """Whether ``tensor`` is some unit's flat shard."""
+    return isinstance(tensor, Tensor) and tensor in _flats
+
+
+def flat_member(flat: object, offset: int) -> ShardedParam | None:
+    """The parameter whose shard starts at element ``offset`` of the flat shard ``flat``, or ``None``."""
+    unit = _flats.get(flat) if isinstance(flat, Tensor) else None
+    if unit is None:
+        return None
+    return next((sp for sp in unit.params if sp.flat is flat and sp.offset == offset), None)
+
+
+def _eligible(unit: Unit) -> bool:
+    shards = [sp.shard for sp in unit.params]
+    return (not unit.stacked and len(shards) >= 2 and len({(s.dtype, s.device) for s in shards}) == 1
+            and shards[0].device.type != "meta" and all(s.requires_grad for s in shards))
+
+
+def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
+    """NOTE [flat shards]: lay ``unit``'s shards out as one flat tensor (when ``wanted`` and it is
+    eligible), each parameter's data a view of it."""
+    unit.flat_wanted = wanted
+    for sp in unit.params:
+        sp.flat, sp.offset = None, 0
+    unit.flat = None
+    if not wanted or not _eligible(unit):
+        return
+    first = unit.params[0].shard
+    flat = torch.empty(sum(sp.shard.numel() for sp in unit.params), dtype=first.dtype, device=first.device)
+    offset = 0
+    with torch.no_grad():
+        for sp in unit.params:
+            n = sp.shard.numel()
+            piece = flat.narrow(0, offset, n)
+            piece.copy_(sp.shard.detach().reshape(-1))
+            sp.shard.data = piece.view(sp.shard.shape)
+            sp.flat, sp.offset, sp.piece_shape = flat, offset, tuple(sp.shard.shape)
+            offset += n
+    flat.requires_grad_(True)
+    flat.register_post_accumulate_grad_hook(_hand_out(unit))
+    unit.flat = flat
+    _flats[flat] = unit
+
+
+def refresh_flat(module: nn.Module, unit: Unit) -> None:
+    """After a conversion of ``module`` (``module.to(...)``, ``to_empty``): rebind parameters the conversion
+    replaced (NOTE [converted parameters] in ``materialize.py``), and lay ``unit``'s flat out again from
+    its parameters' data where any no longer is a view of it (NOTE [flat shards]); a unit built on the
+    meta device gets its flat here."""
+    rebound = rebind_params(unit)
+    if rebound or (unit.flat is not None and not all(_aliases(sp) for sp in unit.params)):
+        flatten_unit(unit, module, unit.flat_wanted)
+
+
+def _aliases(sp: ShardedParam) -> bool:
+    flat = sp.flat
+    assert flat is not None
+    p = sp.shard
+    return (p.dtype == flat.dtype and p.device == flat.device
+            and p.data_ptr() == flat.data_ptr() + sp.offset * flat.element_size())
+
+
+def _hand_out(unit: Unit) -> Callable[[Tensor], None]:
+    """The flat's post-accumulate-grad hook: each parameter's piece of the flat's gradient becomes its
+    ``.grad`` (a :class:`ShardGrad` view, NOTE [global norms]), or is added to the one it has."""
+    group = unit.groups.all_gather.group_name
+
+    def hook(flat: Tensor) -> None:
+        grad = flat.grad
+        if grad is None:
+            return
+        flat.grad = None
+        for sp in unit.params:
+            p = sp.shard
+            if sp.flat is not flat or not p.requires_grad:
+                continue
+            piece = grad.detach().narrow(0, sp.offset, p.numel()).view(sp.piece_shape)
+            for grad_hook in _hooks(p, "_backward_hooks"):  # (p.register_hook), as autograd would run them
+                changed = grad_hook(piece)
+                piece = changed if changed is not None else piece
+            if p.grad is None:
+                p.grad = as_shard_grad(piece, group, sp.real_rows)
+            else:
+                p.grad.add_(piece)
+            for after in _hooks(p, "_post_accumulate_grad_hooks"):  # (optimizer-in-backward, say)
+                after(p)
+
+    return hook
+
+
+def _hooks(p: Tensor, attribute: str) -> list[Callable[..., Any]]:
+    """The hooks a user registered on ``p`` (``register_hook``: ``_backward_hooks``, or
+    ``register_post_accumulate_grad_hook``), which compiled code reading the flat does not trigger."""
+    hooks = getattr(p, attribute, None)
+    return list(hooks.values()) if hooks else []
+
+
+def flat_check(example_inputs: Sequence[object]) -> Callable[[], None] | None:
+    """For a compiled graph reading the flat shards among ``example_inputs``: a check to run before each
+    call, that each parameter's data is still its view of the flat (NOTE [flat shards]); ``None`` when
+    the graph reads none."""
+    units = list({id(u): u for t in example_inputs if isinstance(t, Tensor) and (u := _flats.get(t)) is not None}.values())
+    if not units:
+        return None
+    members = [sp for u in units for sp in u.params if sp.flat is not None]
+
+    def check() -> None:
+        for sp in members:
+            if sp.flat is not None and not _aliases(sp):
+                _heal(sp)
+
+    return check
+
+
+def _heal(sp: ShardedParam) -> None:
+    """A parameter whose data was replaced: copied back into its piece of the flat, or an error."""
+    flat, p = sp.flat, sp.shard
+    assert flat is not None
+    if p.dtype != flat.dtype or p.device != flat.device or tuple(p.shape) != sp.piece_shape:
+        raise ValueError(
+            f"fully_shard: parameter {sp.fqn!r} now holds {p.dtype} data of shape {tuple(p.shape)} on {p.device}, but "
+            f"its unit's flat shard is {flat.dtype} on {flat.device} (its data was replaced after fully_shard, not "
+            "converted with "
+            "module.to(...)). Convert the model with model.to(...) / model.half(), which lays the shards out "
+            "again, or before fully_shard; update parameters in place (p.copy_(t), not p.data = t)."
+        )
+    with torch.no_grad():
+        piece = flat.detach().narrow(0, sp.offset, p.numel())
+        piece.copy_(p.detach().reshape(-1))
+        p.data = piece.view(p.shape)

@@ -1,0 +1,101 @@
+"""Full (unsharded) state dicts: export on rank 0, and load what rank 0 alone holds.
+
+NOTE [rank-0 broadcast]: a full checkpoint (a Hugging Face ``save_pretrained`` directory, a
+``torch.save``-d state dict) is read on rank 0 alone; the other ranks pass ``{}``. Rank 0 first tells
+every rank which of the model's tensors it holds (names, shapes, dtypes, and the keys that are missing or
+unexpected) in one ``broadcast_object_list``; then each tensor travels alone, in model order, through one
+``dist.broadcast`` from global rank 0 into a buffer every rank allocates, and each rank copies its rows
+into its shard (a buffer or unmanaged param: the whole tensor) before the next one. A rank's extra
+memory is one full tensor at a time, never the model. The writes are in place, so a unit's flat shard
+(NOTE [flat shards]) stays the parameters' storage. ``torch.distributed.checkpoint.state_dict`` calls
+this ``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fsdp_compile.api.state_layout import Entry, few, gather_full, layout, row_range
+
+__all__ = ["broadcast_full_state_dict", "full_state_dict"]
+
+
+def full_state_dict(entries: list[Entry], order: list[tuple[str, Entry]], rank0_only: bool,
+                    cpu_offload: bool) -> dict[str, Tensor]:
+    """Plain full tensors named as the unsharded model's ``state_dict()`` names them; collective (every
+    rank gathers each param, one at a time). ``rank0_only``: the other ranks get ``{}``."""
+    keep = not rank0_only or dist.get_rank() == 0
+    values: dict[int, Tensor] = {}
+    for e in entries:
+        value = gather_full(e.param) if e.param is not None else e.tensor.detach()
+        if keep:
+            values[id(e)] = value.cpu() if cpu_offload else value
+    return {name: values[id(e)] for name, e in order if id(e) in values} if keep else {}
+
+
+def _plan(entries: list[Entry], known: set[str], state_dict: Mapping[str, Any]) -> tuple[list, list[str], list[str], str]:
+    """On rank 0: (entry index, name, shape, dtype) of every tensor to send, the missing and unexpected
+    keys, and an error to raise on every rank ("" when none)."""
+    plan: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
+    missing: list[str] = []
+    for i, e in enumerate(entries):
+        name = next((n for n in e.names if n in state_dict), None)
+        if name is None:
+            missing.append(e.names[0])
+            continue
+        value = state_dict[name]
+        if not isinstance(value, Tensor) or isinstance(value, DTensor):
+            return [], [], [], (f"{name!r} is a {type(value).__name__}; broadcast_from_rank0 takes plain full tensors "
+                                "on rank 0 (torch.load / safetensors.torch.load_file give them).")
+        want = tuple(e.param.full_shape) if e.param is not None else tuple(e.tensor.shape)
+        if tuple(value.shape) != want:
+            return [], [], [], (f"{name!r} has shape {tuple(value.shape)} in the state dict but {want} in the model; "
+                                "the checkpoint comes from a different model: build it with the config it was saved with.")
+        plan.append((i, name, want, value.dtype))
+    unexpected = [k for k in state_dict if k not in known]
+    return plan, missing, unexpected, ""
+
+
+def broadcast_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> _IncompatibleKeys:
+    """NOTE [rank-0 broadcast]: load the full ``state_dict`` that global rank 0 holds (the others pass
+    ``{}``) into ``model``'s shards; collective over the default group."""
+    caller = "set_model_state_dict(broadcast_from_rank0=True)"
+    entries, order = layout(model, caller)
+    rank = dist.get_rank()
+    if rank != 0 and len(state_dict):
+        raise ValueError(f"{caller}: rank {rank} was given {len(state_dict)} entries; only rank 0 reads the "
+                         "checkpoint, every other rank passes {} (what it holds would be overwritten anyway).")
+    header: list[Any] = [None]
+    if rank == 0:
+        header[0] = _plan(entries, {name for name, _ in order}, state_dict)
+    dist.broadcast_object_list(header, src=0)
+    plan, missing, unexpected, error = header[0]
+    if error:
+        raise ValueError(f"{caller}: {error}")
+    if strict and (missing or unexpected):
+        raise ValueError(f"{caller}: missing keys {few(missing)}, unexpected keys {few(unexpected)} in rank 0's "
+                         "state dict; pass StateDictOptions(strict=False) to load a partial state dict.")
+    with torch.no_grad():
+        for index, name, shape, dtype in plan:
+            e = entries[index]
+            target = e.param.shard if e.param is not None else e.tensor
+            buffer = state_dict[name].to(target.device).contiguous() if rank == 0 else torch.empty(shape, dtype=dtype,
+                                                                                      device=target.device)
+            dist.broadcast(buffer, src=0)
+            if e.param is None:
+                target.detach().copy_(buffer)
+                continue
+            start, stop = row_range(e.param)
+            rows = buffer.reshape(1) if not shape else buffer
+            shard = target.detach()
+            shard[: stop - start].copy_(rows[start:stop])
+            shard[stop - start:].zero_()  # NOTE [padding]
+            del buffer, rows
+    return _IncompatibleKeys(missing, unexpected)

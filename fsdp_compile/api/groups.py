@@ -1,0 +1,154 @@
+"""``FsdpGroups``: the process groups FSDP collectives run on, created once per process.
+
+NOTE [why two communicators]: one communicator (one NCCL process group) runs one collective at a time,
+whatever CUDA streams the caller uses: a reduce-scatter queued behind a prefetching all-gather waits for
+it. Giving the reduce-scatters their own group lets the last unit's reduce-scatter and the next unit's
+all-gather run at the same time, so the reduce-scatter can be launched as soon as its gradients exist
+(the seed change in shared/seeds/). Every rank must issue the collectives of both groups in the same
+order, or concurrent communicators deadlock: the passes make the schedule a pure function of the graph.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_compile.safety import peers
+
+__all__ = ["Dedicated", "FsdpGroups"]
+
+
+class Dedicated(str, enum.Enum):
+    """Which collective gets a communicator of its own (see NOTE [why two communicators])."""
+
+    REDUCE_SCATTER = "reduce_scatter"  # the seed's convention: all-gathers on the base group
+    ALL_GATHER = "all_gather"  # Megatron-FSDP v1 / torchtitan: reduce-scatters on the base group
+    NONE = "none"  # one communicator for both: the baseline
+
+
+def _require_initialized(what: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"{what}: no default process group is initialised; call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first (under torchrun, or with "
+            "MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set)."
+        )
+
+
+@dataclass(eq=False)
+class FsdpGroups:
+    """The all-gather group, the reduce-scatter group and, for HSDP, the replicate group.
+
+    Build it once per process with :meth:`create` and pass it to every ``fully_shard`` call; however
+    many models share it, it holds two groups (one when ``dedicated="none"``), plus the replicate group
+    of a 2-D mesh. Call :meth:`destroy` to release the groups it created. On a real process group,
+    :meth:`create` also starts this rank's heartbeat and installs a ``sys.excepthook`` and an ``atexit``
+    note for the cross-rank checks; the last :meth:`destroy` ends them (NOTE [peers]).
+    """
+
+    all_gather: ProcessGroup
+    reduce_scatter: ProcessGroup
+    dedicated: Dedicated
+    replicate: ProcessGroup | None = None
+    _owned: list[ProcessGroup] = field(default_factory=list, repr=False)
+    _heartbeat: bool = field(default=False, repr=False)  # holds a peers.start() (NOTE [peers])
+
+    @classmethod
+    def create(
+        cls,
+        mesh: DeviceMesh | ProcessGroup | None = None,
+        *,
+        dedicated: str | Dedicated = Dedicated.REDUCE_SCATTER,
+    ) -> FsdpGroups:
+        """Make the groups for data parallelism over ``mesh`` (default: every rank of WORLD).
+
+        ``mesh`` is ``None`` (WORLD), a ``ProcessGroup`` or a 1-D ``DeviceMesh`` (shard over all its
+        ranks), or a 2-D ``DeviceMesh`` of shape ``(replicate, shard)`` for HSDP. ``dedicated`` picks which
+        collective gets a communicator of its own: ``"reduce_scatter"`` (default), ``"all_gather"`` or
+        ``"none"``. Every rank must call this collectively, in the same order as its other group
+        creations.
+        """
+        _require_initialized("FsdpGroups.create")
+        try:
+            mode = Dedicated(dedicated)
+        except ValueError:
+            raise ValueError(
+                f"FsdpGroups.create: dedicated={dedicated!r} is not one of "
+                f"{[d.value for d in Dedicated]}; pass 'reduce_scatter' (default), 'all_gather' or 'none'."
+            ) from None
+        replicate: ProcessGroup | None = None
+        if mesh is None:
+            base = dist.group.WORLD
+        elif isinstance(mesh, ProcessGroup):
+            base = mesh
+        elif isinstance(mesh, DeviceMesh):
+            if mesh.ndim == 1:
+                base = mesh.get_group(0)
+            elif mesh.ndim == 2:
+                replicate, base = mesh.get_group(0), mesh.get_group(1)
+            else:
+                raise ValueError(
+                    f"FsdpGroups.create: a {mesh.ndim}-D DeviceMesh is not supported; pass a 1-D mesh "
+                    "(shard) or a 2-D mesh (replicate, shard), e.g. init_device_mesh(dev, (r, s))."
+                )
+        else:
+            raise TypeError(
+                f"FsdpGroups.create: mesh must be None, a ProcessGroup or a DeviceMesh, not "
+                f"{type(mesh).__name__}."
+            )
+        assert base is not None
+        owned: list[ProcessGroup] = []
+        if mode is Dedicated.NONE:
+            ag = rs = base
+        else:
+            extra = _same_ranks_group(base, desc=f"fsdp_{mode.value}")
+            owned.append(extra)
+            ag, rs = (base, extra) if mode is Dedicated.REDUCE_SCATTER else (extra, base)
+        peers.start()
+        return cls(all_gather=ag, reduce_scatter=rs, dedicated=mode, replicate=replicate, _owned=owned,
+                   _heartbeat=True)
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a parameter is sharded over."""
+        return self.all_gather.size()
+
+    @property
+    def replicate_size(self) -> int:
+        """Replicas of each shard (1 without HSDP)."""
+        return 1 if self.replicate is None else self.replicate.size()
+
+    def destroy(self) -> None:
+        """Destroy the groups this object created (not WORLD, not a mesh's own groups), and release its
+        share of the heartbeat and hooks (NOTE [peers])."""
+        for pg in self._owned:
+            dist.destroy_process_group(pg)
+        self._owned.clear()
+        if self._heartbeat:
+            self._heartbeat = False
+            peers.release()
+
+
+def _same_ranks_group(base: ProcessGroup, *, desc: str) -> ProcessGroup:
+    """A second communicator over exactly the ranks of ``base``.
+
+    ``new_group`` must be entered by every rank of WORLD; on a 2-D mesh each rank only knows its own
+    shard group, so ``split_group`` (collective over ``base`` alone) is used where available.
+    """
+    ranks = dist.get_process_group_ranks(base)
+    if base is dist.group.WORLD or len(ranks) == dist.get_world_size():
+        pg = dist.new_group(ranks=ranks, group_desc=desc)
+    else:
+        all_groups: list[list[int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(all_groups, ranks)
+        pg = None
+        for group_ranks in sorted({tuple(r) for r in all_groups if r is not None}):
+            made = dist.new_group(ranks=list(group_ranks), group_desc=desc)
+            if list(group_ranks) == ranks:
+                pg = made
+    assert pg is not None
+    return pg

@@ -1,0 +1,91 @@
+"""How a sharded parameter is read: the marker compiled code calls, and the guard against gathering.
+
+Split from ``sharding.py``: a sharded module's parameter is a property; read while Dynamo traces it is one
+``fsdp::unshard`` marker on the shard (NOTE [traced reads]), read eagerly it gathers through parametrize.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torch import Tensor, nn
+
+from fsdp_compile.api.units import ShardedParam
+
+__all__ = ["accumulator", "eager_args", "forward_depth_hooks", "traced_property",
+           "traced_unshard"]
+
+
+def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
+    """The marker compiled code calls (NOTE [traced reads]); the arguments are computed once
+    (``traced_args``), not re-read per trace. It reads ``shard`` when given (a stacked block's, NOTE
+    [stacked blocks]), else the parameter's piece of its unit's flat shard where it has one (NOTE [flat
+    shards] in ``flat.py``), else its shard."""
+    if shard is None:
+        flat = p.flat
+        shard = p.shard if flat is None else flat.narrow(0, p.offset, math.prod(p.piece_shape)).view(p.piece_shape)
+    return torch.ops.fsdp.unshard(shard, *p.traced_args, accumulator(p))  # NOTE [outlined units]
+
+
+def accumulator(p: ShardedParam) -> Tensor | None:
+    """The leaf a read passes while its unit accumulates without sync (NOTE [no-sync]), else ``None``."""
+    return p.accumulator if p.accumulating else None
+
+
+_forwards = threading.local()  # how many mixed-precision units' forwards run eagerly on this thread
+
+_PARAM_DTYPE_ARG = 9  # param_dtype's place in ShardedParam.marker_args
+
+
+def eager_args(p: ShardedParam) -> tuple:
+    """The marker arguments of an eager read of ``p``. NOTE [reading a sharded parameter]: inside a unit's
+    forward a read is cast to the mixed-precision ``param_dtype`` (as compiled code reads it); outside
+    any (initialising, ``load_state_dict``, inspecting) it is the parameter's own dtype, so what is
+    written into it lands exactly, as on the unsharded model."""
+    args = p.marker_args
+    if args[_PARAM_DTYPE_ARG] is None or getattr(_forwards, "depth", 0) > 0:
+        return args
+    return args[:_PARAM_DTYPE_ARG] + (None,) + args[_PARAM_DTYPE_ARG + 1:]
+
+
+def forward_depth_hooks(module: nn.Module) -> None:
+    """Count ``module``'s eager forwards on this thread (what :func:`eager_args` reads); nothing while
+    Dynamo traces."""
+
+    def enter(*_: object) -> None:
+        if not torch.compiler.is_compiling():
+            _forwards.depth = getattr(_forwards, "depth", 0) + 1
+
+    def leave(*_: object) -> None:
+        if not torch.compiler.is_compiling():
+            _forwards.depth = max(getattr(_forwards, "depth", 0) - 1, 0)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
+def traced_property(name: str, original: property) -> property:
+    """NOTE [traced reads]: a sharded parameter's property as parametrize made it, except while Dynamo
+    traces: then it calls the marker on the shard straight away. Through parametrize, each read is two
+    module calls (the parametrization list, then ``Unshard``) that Dynamo traces with their hook checks,
+    about as much work as the rest of a block's tracing, and as many guards; this reads the same shard and
+    makes the same marker call.
+
+    The shard is reached through the module's own ``_fsdp_reads`` dict (name -> ShardedParam), not
+    through parametrize's modules: at 32 blocks on torch 2.11's inline trace those modules and their
+    lookups were 2.0 of the 3.4 s that sharding added. A parameter
+    given parametrizations of its own besides ``Unshard`` leaves that dict (``_Chain``), so the trace
+    guarding on it compiles again, through parametrize's path, which applies them all."""
+    through_parametrize = original.fget
+    assert through_parametrize is not None
+
+    def get(self: nn.Module) -> Tensor:
+        if torch.compiler.is_compiling():
+            sp = self._fsdp_reads.get(name)
+            if sp is not None:
+                return traced_unshard(sp)
+        return through_parametrize(self)  # eager, or compiled off the lean read (Unshard's marker last)
+
+    return property(get, original.fset, original.fdel, original.__doc__)

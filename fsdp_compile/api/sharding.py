@@ -1,0 +1,413 @@
+"""``fully_shard``: turn a module's parameters into dim-0 shards read through the ``unshard`` marker.
+
+Each call makes one *unit*: the module's parameters that no earlier call took. Call it on blocks first,
+then on the root, as with FSDP2. After the call, each of the unit's parameters is the same
+``nn.Parameter`` object as before, now holding this rank's padded dim-0 shard (see NOTE [padding] in
+``ops``), registered as ``<module>.parametrizations.<name>.original``; reading ``module.<name>`` calls
+``fsdp::unshard`` on it, which Dynamo traces and the backend lowers to collectives.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from fsdp_compile._compat import tree_map_only
+from fsdp_compile.api.flat_shard import flatten_unit
+from fsdp_compile.api.gathered import gathered
+from fsdp_compile.api.groups import FsdpGroups
+from fsdp_compile.api.materialize import check_built_alike, hand_out_global_grads, local_sums, register_grad_hook
+from fsdp_compile.api.module import FsdpModule, forward_of, mix_in
+from fsdp_compile.api.markers import ANONYMOUS_UNIT, shard_rows
+from fsdp_compile.api.reads import accumulator, eager_args, forward_depth_hooks, traced_property, traced_unshard
+from fsdp_compile.api.stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
+from fsdp_compile.api.units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of, units_under
+
+__all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "local_shard", "unit_of"]
+
+
+class Unshard(nn.Module):
+    """The parametrization: ``module.<name>`` reads ``fsdp::unshard(shard, ...)``."""
+
+    def __init__(self, param: ShardedParam) -> None:
+        super().__init__()
+        self.param = param
+
+    def forward(self, shard: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # a stack's block reads the shard its stacked body hands in
+            return traced_unshard(self.param, shard if self.param.unit.stacked else None)
+        p = self.param
+        full = torch.ops.fsdp.unshard(shard, *eager_args(p), accumulator(p))
+        return gathered(full, p)  # NOTE [reading a sharded parameter]
+
+    def right_inverse(self, tensor: Tensor) -> Tensor:
+        # Called once at registration with the full param; a shared param's second registration
+        # hands in the shard itself.
+        if self.param.sharded:
+            assert tensor is self.param.shard
+            return tensor
+        self.param.sharded = True
+        return _local_shard(tensor.detach(), self.param)
+
+
+class _Chain(parametrize.ParametrizationList):
+    """A sharded parameter's parametrization list: a parametrization added to it (``weight_norm`` after
+    ``fully_shard``, say) takes the parameter off the lean traced read (NOTE [traced reads])."""
+
+    def _fsdp_leave_lean_read(self) -> None:
+        # The owner's own dict, shared (not a reference to the owner: a deepcopy or pickle of the model
+        # keeps the two together).
+        self.__dict__["_fsdp_reads"].pop(self.__dict__["_fsdp_name"], None)
+
+    def append(self, module: nn.Module) -> _Chain:
+        self._fsdp_leave_lean_read()
+        super().append(module)
+        return self
+
+    def extend(self, modules: Any) -> _Chain:
+        self._fsdp_leave_lean_read()
+        super().extend(modules)
+        return self
+
+    def insert(self, index: int, module: nn.Module) -> None:
+        self._fsdp_leave_lean_read()
+        super().insert(index, module)
+
+    def __setitem__(self, idx: Any, module: Any) -> None:
+        self._fsdp_leave_lean_read()
+        super().__setitem__(idx, module)
+
+    def __delitem__(self, idx: Any) -> None:
+        self._fsdp_leave_lean_read()
+        super().__delitem__(idx)
+
+
+def _lean_read(owner: nn.Module, name: str, sp: ShardedParam | None) -> None:
+    """Put ``owner.<name>`` on the lean traced read (NOTE [traced reads]); ``None``: leave it on
+    parametrize's path (a stack's block, whose compiled body replaces the shard it reads)."""
+    chain = owner._modules["parametrizations"]._modules[name]  # type: ignore[index]
+    if type(chain) is parametrize.ParametrizationList:
+        chain.__class__ = _Chain
+    reads = owner.__dict__.setdefault("_fsdp_reads", {})
+    chain.__dict__["_fsdp_reads"], chain.__dict__["_fsdp_name"] = reads, name
+    if len(chain._modules) == 1 and sp is not None:
+        reads[name] = sp
+
+
+
+def _local_shard(full: Tensor, sp: ShardedParam) -> Tensor:
+    groups = sp.unit.groups
+    rank = groups.all_gather.rank()
+    flat = full.reshape(1) if full.dim() == 0 else full
+    rows = shard_rows(flat.shape[0], groups.shard_size)
+    start, stop = min(rank * rows, flat.shape[0]), min((rank + 1) * rows, flat.shape[0])
+    shard = flat.new_zeros(rows, *flat.shape[1:])
+    shard[: stop - start].copy_(flat[start:stop])
+    sp.shard_index, sp.real_rows = rank, stop - start
+    return shard
+
+
+def _check_params(module: nn.Module, unit_name: str, new: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+    devices = {p.device for _, _, p in new}
+    if len(devices) > 1:
+        raise ValueError(
+            f"fully_shard({unit_name}): its parameters live on several devices {sorted(map(str, devices))}; "
+            "move the module to one device first (module.to(device)) and call fully_shard again."
+        )
+    for owner, name, p in new:
+        if not (p.is_floating_point() or p.is_complex()):
+            raise TypeError(
+                f"fully_shard({unit_name}): parameter {name!r} of {type(owner).__name__} has dtype {p.dtype}; "
+                "only floating-point parameters can be sharded. Register it as a buffer "
+                "(module.register_buffer) instead of an nn.Parameter."
+            )
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    groups: FsdpGroups,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    outline: bool | None = None,
+    flat: bool = True,
+) -> nn.Module:
+    """Shard ``module``'s parameters that no earlier ``fully_shard`` call took, as one unit.
+
+    Call it on each block first, then on the root. ``groups`` comes from ``FsdpGroups.create()``,
+    made once per process. With ``reshard_after_forward`` (default) the forward keeps only shards and
+    the backward gathers again; with ``False`` the gathered params are kept from forward to backward.
+    ``outline``: compile this unit's forward once for every unit with the same forward (NOTE [outlined
+    units] in ``module.py``); ``None`` (default) outlines a unit that holds no other unit and shares
+    its forward with another one, such as a transformer's blocks. Use ``False`` for a block whose
+    forward Dynamo cannot trace whole (a graph break inside it).
+    ``flat``: lay the unit's shards out as one flat tensor that compiled code reads (NOTE [flat shards] in
+    ``flat.py``: one input per unit, a faster compile); the parameters stay the leaves the optimizer
+    updates, and get their ``.grad`` after each backward. Use ``False`` where code differentiates with
+    respect to the parameters themselves (``torch.autograd.grad(loss, params)``), which compiled code does
+    not read then.
+    ``fully_shard`` of a :class:`~fsdp_compile.api.stack.BlockStack` shards each of its blocks as a unit
+    of its own (what ``for block in stack: fully_shard(block, ...)`` does), and returns the stack; the
+    blocks of a stack are compiled as one body (NOTE [stacked blocks] in ``stack.py``).
+    Returns ``module`` (sharded in place). Buffers stay replicated; frozen parameters are gathered
+    but never reduced. The call that completes a model (on a module holding other units) checks, with
+    one small all-reduce, that every rank built its parameters with the same values (NOTE [ranks built
+    alike] in ``materialize.py``); a module built under ``torch.device("meta")`` is not checked: shard it, ``module.to_empty(device=...)``, then run its init
+    (NOTE [initialising sharded parameters]) or load rank 0's checkpoint (NOTE [rank-0 broadcast]).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "fully_shard: no default process group is initialised; call "
+            "torch.distributed.init_process_group(...) and then groups = FsdpGroups.create() first."
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard: expected an nn.Module, got {type(module).__name__}.")
+    if not isinstance(groups, FsdpGroups):
+        raise TypeError(
+            f"fully_shard: groups must be an FsdpGroups (FsdpGroups.create()), got {type(groups).__name__}."
+        )
+    unit_name = class_name(module)
+    if module in _units:
+        raise ValueError(
+            f"fully_shard({unit_name}): this module is already a unit; call fully_shard once per module "
+            "(blocks first, then the root)."
+        )
+    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
+    if not isinstance(flat, bool):
+        raise TypeError(f"fully_shard: flat must be True or False, got {flat!r}.")
+    if outline is not None and not isinstance(outline, bool):
+        raise TypeError(f"fully_shard: outline must be True, False or None (decide), got {outline!r}.")
+
+    if isinstance(module, BlockStack):
+        for block in module:
+            if block not in _units:
+                fully_shard(block, groups=groups, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                            outline=outline, flat=flat)
+        check_built_alike(unit_name, units_under(module), groups)  # NOTE [ranks built alike]
+        return module
+    _check_order(module, unit_name)
+    stack = stack_of(module)
+    if stack is not None and outline:
+        raise ValueError(f"fully_shard({unit_name}): outline=True, but this block belongs to a BlockStack, whose blocks "
+                         "are compiled as one body already (NOTE [stacked blocks]); leave outline=None.")
+    check_stacks_sharded(module, unit_name)
+    # Which (owner, name, param) does this unit take? Everything not managed yet; a param that an
+    # earlier unit manages may only appear here behind that unit's parametrization.
+    new: list[tuple[nn.Module, str, nn.Parameter]] = []
+    visited: set[int] = set()  # a module reachable under two names is sharded once
+    for mod_name, owner in module.named_modules(remove_duplicate=False):
+        if isinstance(owner, parametrize.ParametrizationList) or id(owner) in visited:
+            continue
+        visited.add(id(owner))
+        for pname, p in list(owner._parameters.items()):
+            if p is None:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            if p in _params:
+                other = _params[p].unit
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} of {unit_name} is shared with unit "
+                    f"{other.fqn or type(other.module).__name__!r} ({_params[p].fqn}); a parameter must belong "
+                    "to one unit: call fully_shard on the closest module that contains all its users "
+                    "instead, or untie the parameter."
+                )
+            new.append((owner, fqn, p))
+    _check_params(module, unit_name, new)
+
+    unit = Unit(
+        index=0,  # set by _renumber_subunits below
+        module_ref=weakref.ref(module),
+        groups=groups,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        outline=False if stack is not None else outline,
+        stacked=stack is not None,
+    )
+    unit.built_sums = local_sums(list({id(p): p for _, _, p in new}.values()))  # NOTE [ranks built alike]
+    seen: dict[nn.Parameter, ShardedParam] = {}
+    for owner, fqn, p in new:
+        sp = seen.get(p)
+        if sp is None:
+            p.grad = None
+            sp = ShardedParam(shard=p, full_shape=tuple(p.shape), local_name=fqn, unit=unit,
+                             accumulating=unit.accumulating)
+            seen[p] = sp
+            unit.params.append(sp)
+        pname = fqn.rsplit(".", 1)[-1]
+        with torch.no_grad():
+            parametrize.register_parametrization(owner, pname, Unshard(sp), unsafe=True)
+        cls = type(owner)  # parametrize's class for this module alone, holding one property per name
+        setattr(cls, pname, traced_property(pname, cls.__dict__[pname]))
+        _lean_read(owner, pname, sp if stack is None else None)  # a stack's body reads through parametrize
+        sp.owners.append((weakref.ref(owner), pname))  # NOTE [converted parameters]
+        if _params.get(p) is None:
+            register_grad_hook(p, hand_out_global_grads(sp))
+        _params[p] = sp
+    if stack is not None:
+        add_sharded_block(stack, module, unit)
+    flatten_unit(unit, module, flat)
+    _register_unit(module, unit, mp_policy)
+    inner = units_under(module)
+    if len(inner) > 1:  # it completes a model: NOTE [ranks built alike]
+        check_built_alike(unit_name, inner, groups)
+    return module
+
+
+def _register_unit(module: nn.Module, unit: Unit, mp_policy: MixedPrecisionPolicy) -> nn.Module:
+    _units[module] = unit
+    _renumber_subunits(module, unit)
+    _cast_hooks(module, mp_policy)
+    return module
+
+
+def class_name(module: nn.Module) -> str:
+    """The user's class name of ``module``, not the classes that parametrizations and ``FsdpModule``
+    generate around it."""
+    for cls in type(module).__mro__:
+        if not issubclass(cls, FsdpModule) and cls.__module__ != parametrize.__name__:
+            return cls.__name__
+    return type(module).__name__
+
+
+def _check_order(module: nn.Module, unit_name: str) -> None:
+    """Refuse a module whose parameters an enclosing module's unit already took (root sharded first):
+    it would become a unit with no parameters, and the root would gather everything at once."""
+    inside = {id(m) for m in module.modules()}
+    for mod_name, owner in module.named_modules():
+        if not parametrize.is_parametrized(owner):
+            continue
+        for pname, chain in owner.parametrizations.items():  # type: ignore[union-attr]
+            other = next((p.param.unit for p in chain if isinstance(p, Unshard)), None)
+            if other is not None and id(other.module) not in inside:
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                raise ValueError(
+                    f"fully_shard({unit_name}): its parameter {fqn!r} already belongs to the unit of the enclosing "
+                    f"{class_name(other.module)}, so fully_shard was called on the outer module first. Call "
+                    "fully_shard on the blocks first, then on the root (as with FSDP2): "
+                    "`for block in model.layers: fully_shard(block, groups=groups)`, then "
+                    "`fully_shard(model, groups=groups)`."
+                )
+
+
+def local_shard(module: nn.Module, name: str) -> nn.Parameter:
+    """This rank's shard of the sharded parameter ``module.<name>``, with no communication.
+
+    It is the ``nn.Parameter`` the optimizer updates and ``model.parameters()`` yields: rows
+    ``[i * r, (i + 1) * r)`` of dim 0 of the full parameter for the rank at place ``i`` of the shard group
+    (``r = ceil(dim0 / shard world)``), zero-padded past the end (NOTE [padding]); its ``.grad`` is this
+    rank's rows of the averaged gradient. Reading ``module.<name>`` instead gathers the full parameter
+    from every rank (NOTE [reading a sharded parameter]).
+    """
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    chain = owner.parametrizations[leaf] if parametrize.is_parametrized(owner, leaf) else ()  # type: ignore[index]
+    if not any(isinstance(p, Unshard) for p in chain):
+        raise ValueError(
+            f"local_shard: {name!r} of {type(module).__name__} is not a sharded parameter; call fully_shard on "
+            f"the module that holds it first, or read module.{name} directly."
+        )
+    return chain.original  # type: ignore[union-attr]
+
+
+def _cast(tensors: object, dtype: torch.dtype) -> object:
+    return tree_map_only(
+        Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tensors
+    )
+
+
+def _cast_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
+    """Mixed precision at the unit's boundary: floating inputs to ``param_dtype`` (when
+    ``cast_forward_inputs``), floating outputs to ``output_dtype``."""
+    if mp.param_dtype is not None:  # eager reads cast to it inside forwards alone (reads.eager_args)
+        forward_depth_hooks(module)
+    if mp.param_dtype is not None and mp.cast_forward_inputs:
+        dtype = mp.param_dtype
+        module.register_forward_pre_hook(lambda _m, args, kwargs: (_cast(args, dtype), _cast(kwargs, dtype)),
+                                         with_kwargs=True)
+    if mp.output_dtype is not None:
+        out_dtype = mp.output_dtype
+        module.register_forward_hook(lambda _m, _args, out: _cast(out, out_dtype))
+
+
+def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
+    """Name units and params relative to the newest root and number units in forward order.
+
+    Graph op arguments then read ``layers.0.attn.wq.weight`` and units ``0..n-1`` however many models
+    this process built before, which keeps schedules (and their snapshots) stable.
+    """
+    order: list[Unit] = []
+    for mod_name, mod in root.named_modules():
+        sub = _units.get(mod)
+        if sub is not None and sub is not root_unit:
+            sub.fqn = mod_name
+            order.append(sub)
+    root_unit.fqn = ""
+    order.append(root_unit)
+    _choose_outlined(order)
+    for i, unit in enumerate(order):
+        unit.index = i
+        for sp in unit.params:
+            sp.marker_args = _marker_args(sp)
+            anonymous = unit.outlined or unit.stacked  # alike blocks trace alike: NOTE [outlined units]
+            sp.traced_args = _anonymous(sp.marker_args) if anonymous else sp.marker_args
+
+
+def _choose_outlined(units: list[Unit]) -> None:
+    """NOTE [outlined units]: make outline candidates of the units that hold no other unit and share their
+    forward with another such unit, unless ``fully_shard(outline=)`` said otherwise; switch their classes
+    (which blocks then share a body is decided from their traced graphs: NOTE [outlining by proof])."""
+    inside: dict[int, list[Unit]] = {id(u): [] for u in units}
+    for outer in units:
+        mods = {id(m) for m in outer.module.modules()}
+        inside[id(outer)] = [u for u in units if u is not outer and id(u.module) in mods]
+    leaves = [u for u in units if not inside[id(u)]]
+    forwards = Counter(forward_of(u.module) for u in leaves)
+    for unit in units:
+        if unit.outline and inside[id(unit)]:
+            names = ", ".join(repr(u.fqn) for u in inside[id(unit)][:3])
+            raise ValueError(
+                f"fully_shard({class_name(unit.module)}): outline=True, but it holds other units ({names}); a unit "
+                "that holds others cannot be outlined. Outline the inner units instead (outline=True on them, "
+                "or leave outline=None)."
+            )
+        decided = unit.outline if unit.outline is not None else forwards.get(forward_of(unit.module), 0) >= 2
+        unit.outlined = bool(decided) and not inside[id(unit)] and not unit.stacked  # NOTE [stacked blocks]
+        mix_in(unit.module, outlined=unit.outlined)
+
+
+def _anonymous(marker_args: tuple) -> tuple:
+    """``marker_args`` with the unit and the parameter name left out (``ops.ANONYMOUS_UNIT``, ``""``)."""
+    args = list(marker_args)
+    args[_UNIT_ARG], args[_NAME_ARG] = ANONYMOUS_UNIT, ""
+    return tuple(args)
+
+
+_UNIT_ARG, _NAME_ARG = 2, 3  # positions in _marker_args' tuple
+
+
+def _marker_args(p: ShardedParam) -> tuple:
+    """The arguments of ``fsdp::unshard`` after the shard (see ``ops.unshard``), all constants."""
+    unit = p.unit
+    groups = unit.groups
+    mp = unit.mp_policy
+    return (
+        list(p.full_shape),
+        groups.shard_size,
+        unit.index,
+        p.fqn,
+        groups.all_gather.group_name,
+        groups.reduce_scatter.group_name,
+        groups.replicate.group_name if groups.replicate is not None else "",
+        groups.replicate_size,
+        unit.reshard_after_forward,
+        mp.param_dtype,
+        mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype,
+    )

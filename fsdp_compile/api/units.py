@@ -1,0 +1,133 @@
+"""Units and their sharded parameters: what ``fully_shard`` records, kept outside the user's modules.
+
+A registry keyed weakly by module (units) and by tensor identity (params) holds everything, so a
+dropped model frees its entries and no setting is stored as an attribute of a user's module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fsdp_compile.api.groups import FsdpGroups
+
+__all__ = ["MixedPrecisionPolicy", "ShardedParam", "Unit", "is_sharded", "sharded_param", "unit_of", "units_under"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for one unit. ``None`` keeps the parameter's own dtype.
+
+    ``param_dtype``: what params are cast to *before* the all-gather (so bf16 halves its bytes).
+    ``reduce_dtype``: what gradients are reduce-scattered in (default: ``param_dtype``).
+    ``output_dtype``: what the unit's floating-point outputs are cast to.
+    ``cast_forward_inputs``: cast the unit's floating-point inputs to ``param_dtype``.
+    Shards, their gradients and the optimizer always stay in the param's own dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(eq=False)
+class Unit:
+    """One ``fully_shard`` call: the module and the parameters it manages."""
+
+    index: int
+    module_ref: weakref.ref[nn.Module]
+    groups: FsdpGroups
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy
+    fqn: str = ""
+    params: list[ShardedParam] = field(default_factory=list)
+    outline: bool | None = None  # what fully_shard(outline=) asked for; None: decide (NOTE [outlined units])
+    outlined: bool = False  # an outline candidate: may share a body with identical blocks (NOTE [outlined units])
+    stacked: bool = False  # a block of a BlockStack, traced once with the stack's other blocks (NOTE [stacked blocks])
+    flat: Tensor | None = None  # its shards as one tensor, each a view of it (NOTE [flat shards] in flat.py)
+    flat_wanted: bool = True  # what fully_shard(flat=) asked for
+    requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py
+    pending: bool = False  # accumulated full gradients not yet reduced
+    flush_queued: bool = False
+    built_sums: Tensor | None = None  # its params' checksums at fully_shard, until compared (NOTE [ranks built alike])
+
+    @property
+    def accumulating(self) -> bool:
+        """Whether its reads pass accumulators: it does not sync, or holds gradients not reduced yet (NOTE
+        [no-sync] in ``accumulate.py``)."""
+        return not self.requires_grad_sync or self.pending
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name in ("requires_grad_sync", "pending"):  # each param keeps its own copy (ShardedParam.accumulating)
+            for p in getattr(self, "params", ()):
+                p.accumulating = self.accumulating
+
+    @property
+    def module(self) -> nn.Module:
+        module = self.module_ref()
+        assert module is not None, "a unit outlived its module"
+        return module
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """One managed parameter: its shard and the full shape it stands for."""
+
+    shard: nn.Parameter
+    full_shape: tuple[int, ...]
+    local_name: str  # relative to the unit's module
+    unit: Unit
+    sharded: bool = False  # True once ``shard`` holds the shard rather than the full param
+    shard_index: int = 0  # this rank's place in the shard group: it holds rows [index * rows, ...)
+    real_rows: int = 0  # rows of ``shard`` that are the param's (the rest are padding, NOTE [padding])
+    accumulator: Tensor | None = None  # the leaf that collects full grads without sync (accumulate.py)
+    marker_args: tuple = ()  # fsdp::unshard's constant arguments, set whenever units are (re)numbered
+    traced_args: tuple = ()  # what compiled code passes instead: no unit or name when outlined (NOTE [outlined units])
+    # Its unit's ``accumulating``, kept by the unit: a compiled read checks this flag of its own, not the
+    # unit every param of it shares (which Dynamo guards, for each param, as one object).
+    accumulating: bool = False
+    # NOTE [flat shards] in flat.py: the unit's flat tensor that ``shard`` is a view of, from element
+    # ``offset`` on; compiled code reads that piece of it. ``None``: compiled code reads ``shard``.
+    flat: Tensor | None = None
+    offset: int = 0
+    piece_shape: tuple[int, ...] = ()  # the shard's shape, as compiled code views its piece
+    # (module, name) of every module that reads it as ``module.<name>`` (NOTE [converted parameters] in
+    # materialize.py), weakly: the registry must not keep a dropped model alive.
+    owners: list[tuple[weakref.ref[nn.Module], str]] = field(default_factory=list)
+
+    @property
+    def fqn(self) -> str:
+        """Name relative to the newest root that ``fully_shard`` was called on."""
+        return f"{self.unit.fqn}.{self.local_name}" if self.unit.fqn else self.local_name
+
+
+# Module -> unit and shard -> param, keyed weakly so that dropping a model frees everything.
+_units: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
+_params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Tensor -> ShardedParam, by identity
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit ``fully_shard(module)`` made, or ``None``."""
+    return _units.get(module)
+
+
+def units_under(module: nn.Module) -> list[Unit]:
+    """The units of ``module`` and its submodules, in module order."""
+    return [u for m in module.modules() if (u := _units.get(m)) is not None]
+
+
+def sharded_param(tensor: Tensor) -> ShardedParam | None:
+    """The managed parameter whose shard ``tensor`` is, or ``None``."""
+    return _params.get(tensor)
+
+
+def is_sharded(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is the shard of a param some ``fully_shard`` call manages."""
+    return tensor in _params
+

@@ -1,0 +1,89 @@
+"""Warm start: what makes AOTAutograd's cache serve graphs compiled by this backend.
+
+NOTE [warm start]: with Inductor's caches on (the default), a second process start of plain
+``torch.compile`` skips AOTAutograd's tracing, the partition and Inductor: AOTAutograd's cache maps the
+Dynamo graph to the compiled forward and backward. It serves a backend only when that backend's
+compilers are *serializable* (they return Inductor's output code, whose entry in Inductor's graph
+cache the AOTAutograd entry points to), and it keys entries on the Dynamo graph, its inputs and
+torch's configuration: nothing of ours. Our partition and passes turn one Dynamo graph into different
+compiled graphs depending on
+
+- the backend's options and cost model (prefetch depth, bucket caps, the schedule...),
+- each group's size and this process's rank in it (the in-place all-gather writes its rank's slice),
+  and its timeout (how long the check-in inside the graph waits for peers),
+- fsdp-compile's own code,
+
+so :func:`cache_key` digests those, and the backend sets it on the Dynamo graph as an attribute, which
+AOTAutograd's key covers (it pickles the graph module's attributes). A loaded graph runs none of our
+compile-time steps: the lockstep check-in and the agreement check therefore live inside the compiled
+graph (``fsdp::check_in``, NOTE [lockstep]) so a loaded graph still does them.
+
+The backend bypasses the cache where a user asks to see each compile: schedule dumps, pass diffs,
+``observe_graphs``, the ``fsdp_schedule`` log, and ``inductor=False`` (nothing serializable).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import fx
+
+from passes.predicates import ReduceGradArgs, UnshardArgs, is_reduce_grad, is_unshard
+
+from fsdp_compile._compat import group_timeout_s, resolve_group
+
+__all__ = ["ATTRIBUTE", "cache_key", "source_digest"]
+
+# The Dynamo graph's attribute that carries :func:`cache_key` into AOTAutograd's key.
+ATTRIBUTE = "fsdp_compile_cache_key"
+
+_PACKAGES = (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent / "passes")
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A digest of fsdp-compile's source (this package and ``passes``): new code, new cache entries."""
+    h = hashlib.sha256()
+    for package in _PACKAGES:
+        for path in sorted(package.glob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _group_names(gm: fx.GraphModule) -> list[str]:
+    """Every group the graph's markers name."""
+    names: set[str] = set()
+    for node in gm.graph.nodes:
+        if is_unshard(node):
+            args: UnshardArgs | ReduceGradArgs = UnshardArgs.of(node)
+        elif is_reduce_grad(node):
+            args = ReduceGradArgs.of(node)
+        else:
+            continue
+        names.update(n for n in (args.ag_group, args.rs_group, args.replicate_group) if n)
+    return sorted(names)
+
+
+def _ranks(names: Iterable[str]) -> dict[str, tuple[int, int, float]]:
+    """``name -> (this process's rank in the group, the group's size, its timeout)``: the timeout is the
+    agreement check's and the check-in's wait, which the compiled graph holds (NOTE [lockstep])."""
+    out = {}
+    for name in names:
+        group = resolve_group(name)
+        out[name] = (group.rank(), group.size(), group_timeout_s(group))
+    return out
+
+
+def cache_key(gm: fx.GraphModule, settings: str) -> str:
+    """What, beside the Dynamo graph, decides the graphs our backend compiles from ``gm``:
+    ``settings`` (the options and cost model, as text), the ranks and group sizes, our source."""
+    world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+    text = json.dumps({"settings": settings, "world": world, "groups": _ranks(_group_names(gm)),
+                       "source": source_digest()})
+    return hashlib.sha256(text.encode()).hexdigest()

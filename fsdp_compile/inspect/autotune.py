@@ -1,0 +1,72 @@
+"""``"auto"`` settings: pick the prefetch depth and the reduce-scatter cap with the cost model.
+
+Given a graph already lowered and bucketed, each candidate is scheduled on a copy with the pure
+passes and simulated (``timeline.simulate``); the winner is the *smallest* setting whose estimated
+time is within ``tolerance`` of the best, since a deeper prefetch or a larger cap holds more memory.
+Depth is chosen first (with the default cap), then the cap (with that depth).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import fx
+
+from passes.collective_regions import regions
+from passes.schedule.prefetch import prefetch_pass
+from passes.schedule.reduce_scatter import reduce_scatter_pass
+from passes.schedule.streams import streams_pass
+
+from fsdp_compile.inspect.cost import Hardware
+from fsdp_compile.inspect.timeline import simulate
+
+__all__ = ["Choice", "choose"]
+
+DEPTHS = (0, 1, 2, 3)
+CAP_BUCKETS = (1, 2, 3, 4)  # reduce-scatter caps, in largest buckets; None (no cap) is tried last
+
+
+@dataclass(frozen=True)
+class Choice:
+    prefetch: int
+    reduce_scatter_bytes: int | str | None
+
+
+def _time(gm: fx.GraphModule, hw: Hardware, depth: int, prefetch_bytes: int | None, schedule: str,
+          cap: int | str | None) -> float:
+    g = copy.deepcopy(gm)
+    g = prefetch_pass(g, depth=depth, max_bytes=prefetch_bytes)
+    g = reduce_scatter_pass(g, schedule=schedule, max_bytes=cap)
+    return simulate(streams_pass(g), hw).step_seconds
+
+
+def _smallest_near_best(times: Sequence[tuple[object, float]], tolerance: float) -> object:
+    best = min(t for _, t in times)
+    return next(option for option, t in times if t <= best * (1 + tolerance))
+
+
+def choose(
+    gm: fx.GraphModule,
+    hw: Hardware,
+    *,
+    prefetch: int | str,
+    prefetch_bytes: int | None,
+    schedule: str,
+    reduce_scatter_bytes: int | str | None,
+    tolerance: float = 0.005,
+) -> Choice:
+    """Resolve ``"auto"`` in ``prefetch`` and ``reduce_scatter_bytes`` for ``gm`` on ``hw``."""
+    depth = prefetch
+    if depth == "auto":
+        times = [(d, _time(gm, hw, d, prefetch_bytes, schedule, "auto")) for d in DEPTHS]
+        depth = _smallest_near_best(times, tolerance)  # type: ignore[assignment]
+    cap = reduce_scatter_bytes
+    scatters = regions(gm, "reduce_scatter")
+    if cap == "auto" and scatters:
+        largest = max(r.in_bytes for r in scatters)
+        options: list[int | None] = [k * largest for k in CAP_BUCKETS] + [None]
+        times = [(c, _time(gm, hw, depth, prefetch_bytes, schedule, c)) for c in options]  # type: ignore[arg-type]
+        cap = _smallest_near_best(times, tolerance)  # type: ignore[assignment]
+    return Choice(prefetch=depth, reduce_scatter_bytes=cap)  # type: ignore[arg-type]

@@ -1,0 +1,200 @@
+"""What one rank's hardware can do: the numbers behind the cost model, presets, calibration files.
+
+``Hardware`` holds the handful of numbers the model needs; ``HARDWARE`` has presets (H100, H200, a
+2-core CPU running gloo), and ``load_hardware`` overlays a calibration file of measured numbers::
+
+    hw = load_hardware("h200", "benchmarks/calibration/h200x2.json")
+
+How the numbers are used is in ``fsdp_compile.inspect.cost``; where the H200's come from is
+``benchmarks/calibration/h200_kernels.json`` (``benchmarks/calibration/measure_kernels.py`` on one H200).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Hardware", "HARDWARE", "load_hardware", "write_calibration", "detect_hardware"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one rank can do, in SI units (FLOP/s, bytes/s, seconds)."""
+
+    name: str
+    peak_flops_bf16: float  # dense FLOP/s of bf16/fp16 matmuls (also used for fp8/int8: a lower bound)
+    peak_flops_fp32: float  # FLOP/s of fp32 matmuls without TF32 (PyTorch's default)
+    matmul_fraction: float  # share of peak a large matmul reaches
+    memory_bandwidth: float  # bytes/s of device memory
+    memory_fraction: float  # share of it a streaming kernel (copy, fused pointwise) reaches
+    intra_node_busbw: float  # bytes/s per rank, NCCL "busbw", ranks within a node
+    inter_node_busbw: float  # bytes/s per rank when a group spans nodes
+    ranks_per_node: int
+    collective_latency: float  # s, fixed cost of one collective (launch + first step)
+    hop_latency: float = 0.0  # s, each further ring step (world - 2 of them)
+    # op name -> fraction of peak FLOP/s and of memory bandwidth for that op, e.g. (("mm", 0.6),)
+    op_fraction: tuple[tuple[str, float], ...] = ()
+    # A matmul (m x k) @ (k x n) runs at matmul_fraction * m/(m+h) * n/(n+h) * k/(k+hk) of peak, with
+    # h = matmul_half_mn and hk = matmul_half_k: small dimensions fill fewer tiles and waves.
+    matmul_half_mn: float = 0.0
+    matmul_half_k: float = 0.0
+    # Fused attention (flash / cuDNN): forward and backward at these fractions of peak times
+    # s/(s + attention_half_seq) for sequence length s, on the FLOPs of the causal half when causal.
+    attention_fraction: float = 0.5
+    attention_backward_fraction: float = 0.4
+    attention_half_seq: float = 0.0
+    kernel_latency: float = 0.0  # s, the least time one kernel takes (launch, ramp-up, tail)
+    foreach_fraction: float = 0.6  # share of memory bandwidth the optimizers' multi-tensor kernels reach
+    # Compute running beside a collective takes 1 + overlap_slowdown times as long: the collective's
+    # kernels hold SMs and memory bandwidth (NCCL: one block per channel).
+    overlap_slowdown: float = 0.0
+
+    def fraction_of(self, op: str, default: float) -> float:
+        """The achievable fraction for ``op`` (an overload packet name), or ``default``."""
+        for name, frac in self.op_fraction:
+            if name == op:
+                return frac
+        return default
+
+
+# H100 SXM5 (NVIDIA H100 datasheet): 989 TFLOP/s dense bf16 (1979 with sparsity), 67 TFLOP/s fp32,
+# 3.35 TB/s HBM3. NVLink4: 900 GB/s bidirectional = 450 GB/s per direction; nccl-tests all-gather /
+# reduce-scatter on 8 GPUs report a busbw of about 350-380 GB/s. Inter-node: one 400 Gb/s NDR
+# InfiniBand NIC per GPU = 50 GB/s, about 40 GB/s achieved. NCCL's base latency is ~10-20 us per
+# collective; its tuning model (src/graph/tuning.cc, hwLat) charges ~0.5-3.4 us per NVLink ring step.
+# Compute is the H200's (same chip); see there. A collective beside compute: NCCL runs one thread block
+# per channel, up to 32 channels on NVLink (NCCL_MAX_NCHANNELS), so a matmul keeps ~100 of 132 SMs:
+# overlap_slowdown 0.2 (an estimate from that share, not a measurement).
+_H100 = Hardware(
+    name="h100",
+    peak_flops_bf16=989e12,
+    peak_flops_fp32=67e12,
+    matmul_fraction=0.8,
+    memory_bandwidth=3.35e12,
+    memory_fraction=0.88,
+    intra_node_busbw=360e9,
+    inter_node_busbw=40e9,
+    ranks_per_node=8,
+    collective_latency=15e-6,
+    hop_latency=1e-6,
+    matmul_half_mn=128,
+    matmul_half_k=256,
+    attention_fraction=0.87,
+    attention_backward_fraction=0.79,
+    attention_half_seq=3584,
+    kernel_latency=3e-6,
+    foreach_fraction=0.62,
+    overlap_slowdown=0.2,
+)
+
+# H200 SXM (NVIDIA H200 datasheet): the H100's GH100 compute with 4.8 TB/s HBM3e, same NVLink4 and
+# networking. Measured on one H200 of this workplace (torch 2.11, benchmarks/calibration/
+# h200_kernels.json, from measure_kernels.py):
+# - a 2 GiB device copy: 4.21 TB/s read + write = 0.88 of 4.8;
+# - 150 bf16 matmuls of Llama/MLP shapes (m, n, k from 256 to 32000): fitted by
+#   790 TFLOP/s * m/(m+128) * n/(n+128) * k/(k+256) (matmuls over 0.1 ms: within 17%, rms 7%);
+#   790 / 989 = 0.8;
+# - causal SDPA (its default kernel), head dim 128: forward 0.87 and backward 0.79 of 989 TFLOP/s times
+#   s/(s+3584) on the causal FLOPs (within 25% over s = 2048..8192);
+# - torch.optim.AdamW (foreach) over 534M bf16 shards: 7.51 ms, i.e. the ~21 element passes the foreach
+#   kernels make (cost.OPTIMIZER_PASSES) at 2.99 TB/s = 0.62 of 4.8.
+_H200 = dataclasses.replace(_H100, name="h200", memory_bandwidth=4.8e12)
+
+# A 2-core x86 CPU running gloo over loopback (rough, for the CI machine): AVX2 FMA peaks near
+# 100 GFLOP/s fp32 for 2 cores, MKL/oneDNN GEMMs reach ~30% of it under load (a few tens of GFLOP/s);
+# bf16 has no native units there, so it is slower; ~10 GB/s achieved memory bandwidth; gloo ring
+# collectives move ~1-2 GB/s through loopback TCP, with ~50 us per collective and ~10 us per step.
+# All ranks share one host: ranks_per_node is large and both bandwidths are the loopback one.
+_CPU = Hardware(
+    name="cpu",
+    peak_flops_bf16=50e9,
+    peak_flops_fp32=100e9,
+    matmul_fraction=0.3,
+    memory_bandwidth=20e9,
+    memory_fraction=0.5,
+    intra_node_busbw=1.5e9,
+    inter_node_busbw=1.5e9,
+    ranks_per_node=64,
+    collective_latency=50e-6,
+    hop_latency=10e-6,
+    attention_fraction=0.3,
+    attention_backward_fraction=0.3,
+    foreach_fraction=0.5,
+)
+
+HARDWARE: dict[str, Hardware] = {"h100": _H100, "h200": _H200, "cpu": _CPU}
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware))
+_MAY_BE_ZERO = {"hop_latency", "collective_latency", "matmul_half_mn", "matmul_half_k", "attention_half_seq",
+                "kernel_latency", "overlap_slowdown"}
+_FRACTIONS = ("matmul_fraction", "memory_fraction", "attention_fraction", "attention_backward_fraction",
+              "foreach_fraction")
+
+
+def load_hardware(name: str | Hardware = "h200", calibration: str | Path | Mapping[str, Any] | None = None) -> Hardware:
+    """A preset (or ``name`` itself, if a ``Hardware``) with measured numbers from ``calibration``.
+
+    ``calibration`` is a JSON file or a dict holding any subset of ``Hardware``'s fields;
+    ``op_fraction`` may be a dict ``{"mm": 0.6}``. Keys starting with ``_`` are notes and are ignored.
+    Unknown fields raise ``ValueError``.
+    """
+    if isinstance(name, Hardware):
+        base = name
+    elif name in HARDWARE:
+        base = HARDWARE[name]
+    else:
+        raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(sorted(HARDWARE))}")
+    if calibration is None:
+        return base
+    values = calibration if isinstance(calibration, Mapping) else json.loads(Path(calibration).read_text())
+    values = {k: v for k, v in values.items() if not str(k).startswith("_")}
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown calibration field(s) {unknown}; valid fields: {', '.join(_FIELDS)}")
+    kw = dict(values)
+    if "op_fraction" in kw:
+        kw["op_fraction"] = _op_fraction(kw["op_fraction"])
+    hw = dataclasses.replace(base, **kw)
+    _validate(hw)
+    return hw
+
+
+def write_calibration(hw: Hardware, path: str | Path) -> None:
+    """Write every field of ``hw`` as a calibration JSON that ``load_hardware`` reads back."""
+    data = dataclasses.asdict(hw)
+    data["op_fraction"] = dict(hw.op_fraction)
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _op_fraction(value: object) -> tuple[tuple[str, float], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((str(k), float(v)) for k, v in items))  # type: ignore[union-attr]
+
+
+def _validate(hw: Hardware) -> None:
+    for f in _FIELDS:
+        v = getattr(hw, f)
+        if f in ("name", "op_fraction"):
+            continue
+        if not isinstance(v, (int, float)) or v < 0 or (v == 0 and f not in _MAY_BE_ZERO):
+            raise ValueError(f"hardware field {f} must be a positive number, got {v!r}")
+    for op, frac in [*((f, getattr(hw, f)) for f in _FRACTIONS), *hw.op_fraction]:
+        if not 0 < frac <= 1:
+            raise ValueError(f"fraction for {op} must be in (0, 1], got {frac}")
+
+
+def detect_hardware() -> Hardware:
+    """The preset for this process's device: an H100/H200 by CUDA device name, else the CPU preset."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for key in ("h200", "h100"):
+            if key in name:
+                return HARDWARE[key]
+        return HARDWARE["h100"]
+    return HARDWARE["cpu"]

@@ -1,0 +1,150 @@
+"""Cross-rank agreement: refuse to run a graph whose collectives differ between ranks.
+
+NOTE [agreement]: concurrent communicators deadlock when ranks issue their collectives in different
+orders (see NOTE [why two communicators]); a rank-dependent branch in the model makes exactly that.
+So when a graph is compiled, each rank posts the graph's collective sequence (kind, group role, dtype,
+shape, in launch order, waits included) to the store under a key made from that sequence, and waits
+until every peer (the ranks of the groups the graph uses) has compiled a graph with the same sequence,
+now or earlier. What must agree is the sequence, not the number of compiled graphs: a rank that
+recompiles for a new activation shape (padding per batch) compiles a graph with the same collectives,
+which its peers already posted, so it goes on at once, even when they never recompile.
+
+The wait is :func:`peers.wait_for` (NOTE [peers]): when two ranks each wait for a graph the other never
+compiled, both raise ``RuntimeError`` at once, naming the first differing collective on each; a peer
+that failed or is gone is named within seconds; a peer that is alive but never compiles the graph (a
+forward run on some ranks only) is named at the process group's timeout. The cost is one small store
+exchange per compiled graph; ``make_backend(check_agreement=False)`` switches it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import fx
+
+from passes.predicates import fsdp_meta, is_collective, is_wait, waited_collective
+
+from fsdp_compile.safety import peers as _peers_mod
+from fsdp_compile._compat import group_timeout_s, resolve_group
+
+__all__ = ["GraphIdentity", "check_agreement", "fingerprint", "identify"]
+
+
+def fingerprint(gm: fx.GraphModule) -> list[str]:
+    """The graph's collectives in order, one readable line each (what every rank must agree on).
+
+    Groups are named by order of first use (``g0``, ``g1``, ...): with HSDP, peers use different
+    replicate groups of the same role, and what must match is which role each collective uses.
+    """
+    out: list[str] = []
+    roles: dict[str, str] = {}
+    for n in gm.graph.nodes:
+        if is_collective(n):
+            val = n.args[0].meta.get("val")  # type: ignore[union-attr]
+            shape = "x".join(map(str, val.shape)) if val is not None else "?"
+            dtype = str(val.dtype).removeprefix("torch.") if val is not None else "?"
+            unit = fsdp_meta(n).get("unit")
+            role = roles.setdefault(str(n.args[-1]), f"g{len(roles)}")
+            out.append(f"{n.target.__name__.split('.')[0]}(unit {unit}, group {role}, {dtype}[{shape}])")  # type: ignore[union-attr]
+        elif is_wait(n):
+            launch = waited_collective(n)
+            out.append(f"wait({launch.target.__name__.split('.')[0]}, unit {fsdp_meta(launch).get('unit')})")  # type: ignore[union-attr]
+    return out
+
+
+@dataclass(frozen=True)
+class GraphIdentity:
+    """What identifies a compiled graph across ranks: its kind and collective sequence, and its peers."""
+
+    kind: str  # "forward", "backward" or "inference"
+    collectives: tuple[str, ...]
+    groups: tuple[tuple[int, ...], ...]  # the ranks of each group the graph's collectives use
+    timeout_s: float  # how long to wait for peers (the groups' timeout unless set)
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(sorted({r for g in self.groups for r in g}))
+
+    @property
+    def key(self) -> str:
+        """Equal on every rank that compiles a graph of this kind with these collectives."""
+        text = json.dumps([self.kind, self.collectives])
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        """The identity as text (it travels inside the compiled graph: NOTE [lockstep])."""
+        return json.dumps({"kind": self.kind, "collectives": list(self.collectives),
+                           "groups": [list(g) for g in self.groups], "timeout_s": self.timeout_s})
+
+    @classmethod
+    def from_json(cls, text: str) -> GraphIdentity:
+        d = json.loads(text)
+        return cls(kind=d["kind"], collectives=tuple(d["collectives"]), groups=tuple(tuple(g) for g in d["groups"]),
+                   timeout_s=float(d["timeout_s"]))
+
+    def describe(self) -> str:
+        launches = sum(1 for c in self.collectives if not c.startswith("wait("))
+        article = "an" if self.kind[0] in "aeiou" else "a"
+        return f"{article} {self.kind} graph with {launches} collectives"
+
+
+def identify(gm: fx.GraphModule, kind: str, timeout_s: float | None = None) -> GraphIdentity | None:
+    """The graph's identity, or ``None`` when it needs no peer (no collectives, one rank, no real group)."""
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return None  # a fake process group stands for one rank
+    groups: set[tuple[int, ...]] = set()
+    timeouts = []
+    for n in gm.graph.nodes:
+        if is_collective(n):
+            group = resolve_group(str(n.args[-1]))
+            groups.add(tuple(dist.get_process_group_ranks(group)))
+            timeouts.append(group_timeout_s(group))
+    if all(len(g) <= 1 for g in groups):
+        return None
+    return GraphIdentity(kind=kind, collectives=tuple(fingerprint(gm)), groups=tuple(sorted(groups)),
+                         timeout_s=timeout_s if timeout_s is not None else max(timeouts))
+
+
+# Keys every peer has posted, per default process group (a recompile with the same collectives need
+# not wait again, and must not post twice: peers count posts).
+_agreed: _peers_mod.PerProcessGroup[set[str]] = _peers_mod.PerProcessGroup(set)
+
+
+def check_agreement(graph: GraphIdentity) -> None:
+    """Wait until every peer compiled a graph with ``graph``'s collectives; raise ``RuntimeError`` if
+    the ranks compile different ones, or a peer fails, is gone or never comes (NOTE [agreement])."""
+    what = f"compile {graph.describe()} (the same sequence as this rank's)"
+    value = json.dumps({"kind": graph.kind, "collectives": list(graph.collectives)})
+    me = dist.get_rank()
+
+    def diverged(rank: int, theirs: _peers_mod.Waiting, their_value: str | None) -> str:
+        other = json.loads(their_value) if their_value and theirs.key.startswith("agreement/") else None
+        if other is None:
+            return (f"fsdp_compile: rank {me} compiled {graph.describe()} that rank {rank} never compiled, and "
+                    f"rank {rank} waits for its peers to {theirs.what}: the ranks run different code. Make "
+                    "the model's control flow identical on every rank.")
+        return _difference(me, graph.kind, list(graph.collectives), rank, other["kind"], other["collectives"])
+
+    key = f"agreement/{graph.key}"
+    agreed = _agreed.get()
+    if key in agreed:
+        return
+    waiting = _peers_mod.Waiting(key=key, what=what, groups=graph.groups)
+    _peers_mod.wait_for(waiting, value, timeout_s=graph.timeout_s, diverged=diverged)
+    agreed.add(key)
+
+
+def _difference(me: int, kind: str, mine: list[str], rank: int, their_kind: str, theirs: list[str]) -> str:
+    (a, a_kind, a_seq), (b, b_kind, b_seq) = sorted([(me, kind, mine), (rank, their_kind, theirs)])
+    i = next((i for i, (x, y) in enumerate(zip(a_seq, b_seq)) if x != y), min(len(a_seq), len(b_seq)))
+    a_at = a_seq[i] if i < len(a_seq) else "(no more collectives)"
+    b_at = b_seq[i] if i < len(b_seq) else "(no more collectives)"
+    return (
+        f"fsdp_compile: a compiled graph differs across ranks, so its collectives would deadlock. First "
+        f"difference at collective #{i}: rank {a} ({a_kind} graph) issues {a_at}; rank {b} ({b_kind} graph) "
+        f"issues {b_at}. (Seen on rank {me}.) Make the model's control flow and parameters identical on "
+        "every rank."
+    )

@@ -1,0 +1,397 @@
+"""Peers: a wait on other ranks that tells a failed rank from a slow one and from a diverged one.
+
+NOTE [peers]: the cross-rank checks (``agreement.py`` when a graph is compiled, ``lockstep.py`` when
+graphs run) wait for other ranks through the default process group's key-value store. A bare wait
+cannot tell a slow peer from a dead one, or from one that will never come because it waits for
+something else, and so ends, much later, with the wrong diagnosis. Hence:
+
+- From ``FsdpGroups.create()`` on, every rank runs a *heartbeat* thread that bumps ``alive/<rank>`` in
+  the store every second, on a store connection of its own. A peer whose heartbeat stays still for
+  ``STALE_S`` seconds is gone. A rank that fails or exits also says so (``failed/<rank>``,
+  ``exited/<rank>``): from ``sys.excepthook``, at exit, from ``launch.run_ranks`` and from our own checks.
+- A rank that waits publishes what it waits for (``waiting/<rank>``: a key and a description). If a peer
+  it waits for is itself waiting for a key this rank never posted, neither can go on: they diverged.
+- If the store's host (rank 0, or torchrun's agent) is gone, store calls fail: that is reported too.
+
+What this does to the process, and for how long (the only process-wide effects of ``FsdpGroups``): the
+heartbeat thread, a ``sys.excepthook`` that writes ``failed/<rank>`` and then calls the hook it
+replaced, and an ``atexit`` function that writes ``exited/<rank>``. All three exist only while an
+``FsdpGroups`` on a real process group (not ``fake``) is alive: they start with the first
+``FsdpGroups.create()`` and end with the last ``FsdpGroups.destroy()`` (the thread also ends when its
+process group is destroyed). The previous ``sys.excepthook`` is put back then, unless something
+replaced ours meanwhile; ours then only passes exceptions on.
+
+So :func:`wait_for` returns once every peer has posted, or raises :class:`PeerError` naming the rank and
+what happened: within seconds when a peer is gone or diverged, at the process group's timeout when a
+peer is alive but never comes. While all goes well a waiting rank polls one arrival counter per group,
+so the cost does not grow with the number of peers; the heartbeat is one small store write per rank per
+second.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch.distributed as dist
+
+from fsdp_compile._compat import default_store, store_connection
+
+__all__ = [
+    "COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "PerProcessGroup", "PeerError", "Waiting", "describe",
+    "describe_all", "group_id", "note_failure", "release", "start", "wait_for",
+]
+
+HEARTBEAT_S = 1.0
+STALE_S = 10.0  # a heartbeat this old means the rank is gone
+QUIET_S = 1.0  # waiting this long, look at each missing peer (then every LOOK_S)
+LOOK_S = 1.0
+LINGER_S = 10.0
+_NS = "fsdp_compile/"
+T = TypeVar("T")
+# A failure note that starts so says the rank was running collectives that its peers did not join.
+COLLECTIVE_FAILED = "a collective failed in"
+DIVERGED_ADVICE = (
+    "The ranks run different sequences of compiled graphs: a forward or an evaluation on some ranks only "
+    "(e.g. `if rank == 0: model(x)`), or a rank-dependent graph break? Every rank must call the model the "
+    "same number of times, in the same order: evaluate on every rank and all-reduce the metric."
+)
+
+
+class PerProcessGroup(Generic[T]):
+    """State that lives as long as the default process group: after ``destroy_process_group`` and a new
+    ``init_process_group`` (the store is a new one too), :meth:`get` starts afresh from ``factory``."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._world: weakref.ref | None = None
+        self._value: T | None = None
+
+    def get(self) -> T:
+        world = dist.group.WORLD
+        if self._world is None or self._world() is not world:
+            self._world, self._value = weakref.ref(world), self._factory()
+        return self._value  # type: ignore[return-value]
+
+
+class PeerError(RuntimeError):
+    """A peer rank failed, is gone, diverged or did not come in time (the message says which)."""
+
+
+@dataclass
+class _Heartbeat:
+    world: weakref.ref  # the WORLD group this heartbeat belongs to
+    rank: int
+    stop: threading.Event = field(default_factory=threading.Event)
+    lost: str | None = None  # why the heartbeat could not write to the store any more
+
+
+_heartbeat: _Heartbeat | None = None
+_users = 0  # FsdpGroups alive in this process
+_hooks_on = False  # our sys.excepthook reports and our atexit function is registered (NOTE [peers])
+_chained = False  # ours is in the chain of sys.excepthook (kept where another hook wrapped it)
+_previous_hook: Callable[..., object] = sys.__excepthook__  # the sys.excepthook ours replaced
+
+
+def _store() -> dist.Store:
+    return default_store()
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+
+
+def start() -> None:
+    """Start this rank's heartbeat (once per default process group; each call is matched by a
+    :func:`release`); a no-op without a real process group."""
+    global _heartbeat, _users
+    if not _active():
+        return
+    _users += 1
+    world = dist.group.WORLD
+    if _heartbeat is not None and _heartbeat.world() is world and not _heartbeat.stop.is_set():
+        return
+    if _heartbeat is not None:
+        _heartbeat.stop.set()
+    beat = _Heartbeat(world=weakref.ref(world), rank=dist.get_rank())
+    conn = store_connection(_store())
+    threading.Thread(target=_beat, args=(beat, conn), name="fsdp_compile-heartbeat", daemon=True).start()
+    _heartbeat = beat
+    _install_hooks()
+
+
+def release() -> None:
+    """Undo one :func:`start`; the heartbeat stops with the last (``FsdpGroups.destroy()``)."""
+    global _users
+    _users = max(0, _users - 1)
+    if _users == 0:
+        if _heartbeat is not None:
+            _heartbeat.stop.set()
+        _remove_hooks()
+
+
+def _beat(beat: _Heartbeat, conn: dist.Store) -> None:
+    n = 0
+    while not beat.stop.is_set():
+        if beat.world() is None or not dist.is_initialized():  # its process group is destroyed: so is its store
+            return
+        try:
+            conn.set(f"{_NS}alive/{beat.rank}", str(n))
+        except RuntimeError as e:  # the store's host is gone
+            beat.lost = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return
+        n += 1
+        if beat.stop.wait(HEARTBEAT_S):
+            return
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+    """Ours while installed: tell the peers, then run the hook ours replaced."""
+    if _hooks_on:
+        note_failure(f"{kind.__name__}: {value}")
+    _previous_hook(kind, value, tb)
+
+
+def _exited() -> None:
+    _note("exited", "exited")
+
+
+def _install_hooks() -> None:
+    """Say ``failed`` on an uncaught exception and ``exited`` at exit, so peers learn it at once (until
+    :func:`_remove_hooks`, NOTE [peers])."""
+    global _hooks_on, _chained, _previous_hook
+    if _hooks_on:
+        return
+    _hooks_on = True
+    if not _chained:
+        _previous_hook, sys.excepthook, _chained = sys.excepthook, _excepthook, True
+    atexit.register(_exited)
+
+
+def _remove_hooks() -> None:
+    """Undo :func:`_install_hooks`: the previous ``sys.excepthook`` again (unless another replaced ours
+    since: ours then only passes exceptions on), no ``atexit`` function."""
+    global _hooks_on, _chained
+    if not _hooks_on:
+        return
+    _hooks_on = False
+    if sys.excepthook is _excepthook:
+        sys.excepthook, _chained = _previous_hook, False
+    atexit.unregister(_exited)
+
+
+def _note(kind: str, text: str) -> None:
+    if _heartbeat is None or not _active():
+        return
+    try:
+        _store().set(f"{_NS}{kind}/{_heartbeat.rank}", text)
+    except RuntimeError:
+        pass  # the store is gone too: peers notice the silence
+
+
+def note_failure(text: str) -> None:
+    """Tell peers this rank failed (first line of ``text`` is kept), so their waits end at once."""
+    first = text.strip().splitlines()[0] if text.strip() else "failed"
+    if not _failures:  # the first failure is the cause; what follows is its consequence
+        _failures.append(first[:2000])
+    _note("failed", _failures[0])
+
+
+_failures: list[str] = []
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What a rank waits for: a store key every member of each group posts under, and words for messages."""
+
+    key: str
+    what: str  # e.g. "compile a forward graph with 9 collectives"
+    groups: tuple[tuple[int, ...], ...]  # the ranks of each process group involved
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(sorted({r for g in self.groups for r in g}))
+
+
+def group_id(ranks: tuple[int, ...]) -> str:
+    """A short name for a set of ranks, equal on every member."""
+    return hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+
+
+class _Liveness:
+    """Watches peers' heartbeats while one wait lasts."""
+
+    def __init__(self, store: dist.Store, start: float) -> None:
+        self.store = store
+        self.start = start
+        self.seen: dict[int, tuple[bytes, float]] = {}
+
+    def why_gone(self, rank: int) -> str | None:
+        s = self.store
+        if s.check([f"{_NS}failed/{rank}"]):
+            return f"failed ({s.get(f'{_NS}failed/{rank}').decode()})"
+        if s.check([f"{_NS}exited/{rank}"]):
+            return "exited"
+        now = time.monotonic()
+        if not s.check([f"{_NS}alive/{rank}"]):
+            if now - self.start > STALE_S:
+                return (f"showed no sign of life for {now - self.start:.0f} s (no heartbeat: it failed or "
+                        "exited before FsdpGroups.create(), or runs other code)")
+            return None
+        value = s.get(f"{_NS}alive/{rank}")
+        last = self.seen.get(rank)
+        if last is None or last[0] != value:
+            self.seen[rank] = (value, now)
+            return None
+        if now - last[1] > STALE_S:
+            return f"stopped: no heartbeat for {now - last[1]:.0f} s (it raised, exited or was killed)"
+        return None
+
+
+def _waiting_of(store: dist.Store, rank: int) -> Waiting | None:
+    key = f"{_NS}waiting/{rank}"
+    if not store.check([key]):
+        return None
+    raw = store.get(key).decode()
+    if not raw:
+        return None
+    d = json.loads(raw)
+    return Waiting(key=d["key"], what=d["what"], groups=tuple(tuple(g) for g in d["groups"]))
+
+
+def _lost_store(me: int, what: str, err: BaseException) -> PeerError:
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return PeerError(
+        f"fsdp_compile: rank {me} lost the connection to the process group's store while waiting for its "
+        f"peers to {what} ({first}). The store lives on rank 0 (or in torchrun's agent): rank 0 is most "
+        "likely gone (it raised, exited or was killed); its own output says why."
+    )
+
+
+def wait_for(
+    waiting: Waiting,
+    value: str,
+    *,
+    timeout_s: float,
+    diverged: Callable[[int, Waiting, str | None], str],
+) -> None:
+    """Post ``value`` under ``waiting.key`` for this rank; return once every member of every group of
+    ``waiting`` has posted under that key too.
+
+    Raises :class:`PeerError` when a peer failed or is gone, when the store is gone, after ``timeout_s``
+    when a peer is alive but has not posted, and when a peer waits for a key this rank never posted:
+    then the message is ``diverged(rank, what it waits for, the value it posted there)``.
+    Scales with the number of ranks: while all goes well, a rank polls one counter per group; the
+    per-peer look (who is missing, gone or waiting for what) starts after ``QUIET_S`` of waiting.
+    """
+    me = dist.get_rank()
+    store = _store()
+    mine = [g for g in waiting.groups if me in g and len(g) > 1]
+    try:
+        store.set(f"{_NS}{waiting.key}/{me}", value)
+        if not mine:
+            return
+        for g in mine:
+            store.add(f"{_NS}{waiting.key}/arrived/{group_id(g)}", 1)
+        store.set(f"{_NS}waiting/{me}", json.dumps({"key": waiting.key, "what": waiting.what,
+                                                    "groups": [list(g) for g in waiting.groups]}))
+        try:
+            _wait(store, mine, me, waiting, timeout_s, diverged)
+        finally:
+            store.set(f"{_NS}waiting/{me}", "")
+    except PeerError as e:
+        note_failure(str(e))
+        raise
+    except RuntimeError as e:  # a store call failed: its host is gone
+        raise _lost_store(me, waiting.what, e) from e
+
+
+def _wait(store: dist.Store, groups: list[tuple[int, ...]], me: int, waiting: Waiting, timeout_s: float,
+          diverged: Callable[[int, Waiting, str | None], str]) -> None:
+    start = time.monotonic()
+    live = _Liveness(store, start)
+    counters = [(f"{_NS}{waiting.key}/arrived/{group_id(g)}", len(g)) for g in groups]
+    pause, next_look = 0.002, start + QUIET_S
+    while True:
+        if all(store.add(key, 0) >= size for key, size in counters):
+            return
+        if _heartbeat is not None and _heartbeat.lost is not None:
+            raise RuntimeError(_heartbeat.lost)
+        now = time.monotonic()
+        if now >= next_look:
+            _look_at_peers(store, me, waiting, live, timeout_s, diverged)
+            next_look = now + LOOK_S
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.25)
+
+
+def _look_at_peers(store: dist.Store, me: int, waiting: Waiting, live: _Liveness, timeout_s: float,
+                   diverged: Callable[[int, Waiting, str | None], str]) -> None:
+    """Who has not posted, and why: gone, waiting for something else (diverged), or too slow."""
+    missing = [p for p in waiting.peers if p != me and not store.check([f"{_NS}{waiting.key}/{p}"])]
+    for p in missing:
+        gone = live.why_gone(p)
+        if gone is not None:
+            cause = (f"rank {p} was running other graphs than this rank. {DIVERGED_ADVICE}"
+                     if COLLECTIVE_FAILED in gone else f"look at rank {p}'s own output for the cause.")
+            raise PeerError(
+                f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} {gone}: "
+                f"{cause} This rank stops too."
+            )
+        theirs = _waiting_of(store, p)
+        if theirs is not None and theirs.key != waiting.key and me in theirs.peers \
+                and not store.check([f"{_NS}{theirs.key}/{me}"]):
+            their_value = store.get(f"{_NS}{theirs.key}/{p}").decode() if store.check(
+                [f"{_NS}{theirs.key}/{p}"]) else None
+            raise PeerError(diverged(p, theirs, their_value))
+    waited = time.monotonic() - live.start
+    if missing and waited > timeout_s:
+        doing = "; ".join(f"rank {p}: {describe(p)}" for p in missing)
+        message = (
+            f"fsdp_compile: rank {me} waited {waited:.0f} s (the process group's timeout) for ranks "
+            f"{missing} to {waiting.what}; they are alive but did not ({doing}). {DIVERGED_ADVICE}"
+        )
+        note_failure(message)
+        _linger(store, missing, live)
+        raise PeerError(message)
+
+
+def _linger(store: dist.Store, absent: list[int], live: _Liveness) -> None:
+    """Before a rank that timed out raises (and its process, maybe the store's host, exits), give the
+    absent peers up to ``LINGER_S`` to fail on their own, typically in a collective that timed out
+    too, and read this rank's note: their errors then say why, not only that rank 0 is gone."""
+    end = time.monotonic() + LINGER_S
+    while time.monotonic() < end:
+        if all(live.why_gone(p) is not None for p in absent):
+            return
+        time.sleep(0.1)
+
+
+def describe(rank: int) -> str:
+    """What ``rank`` is doing, as far as the store knows (for error messages; never raises)."""
+    try:
+        store = _store()
+        for kind in ("failed", "exited"):
+            if store.check([f"{_NS}{kind}/{rank}"]):
+                return f"{kind}: {store.get(f'{_NS}{kind}/{rank}').decode()}" if kind == "failed" else "exited"
+        theirs = _waiting_of(store, rank)
+        if theirs is not None:
+            return f"waiting for its peers to {theirs.what}"
+        return "running (not in an fsdp_compile check)"
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"unknown: the store is unreachable ({first}), so rank 0 is most likely gone"
+
+
+def describe_all(peers: Sequence[int]) -> str:
+    """One line per peer other than this rank (see :func:`describe`)."""
+    me = dist.get_rank()
+    return "; ".join(f"rank {p}: {describe(p)}" for p in peers if p != me)

@@ -155,6 +155,21 @@ class TestBucket(TestCase):
         gm = valid(bucket_pass(lowered(forward_graph()), alone_bytes=260))  # weights 256 B: all bucketed
         self.assertEqual(len(gathers(gm)), 3)
 
+    def test_a_gradient_whose_reduction_casts_is_never_alone(self) -> None:
+        # NOTE [large params alone]: the cast writes it into the bucket at no extra copy, so the 512 B
+        # fp32 gradient shares it; its weight's all-gather (bf16, 256 B gathered) keeps its own collective.
+        def fn(w: Tensor, b: Tensor, gw: Tensor, gb: Tensor) -> list[Tensor]:
+            return [unshard(w, [16, 8], 0, "w", param_dtype=torch.bfloat16), unshard(b, [8], 0, "b", param_dtype=torch.bfloat16),
+                    reduce_grad(gw, [8, 8], 0, "w", reduce_dtype=torch.float32), reduce_grad(gb, [4], 0, "b", reduce_dtype=torch.float32)]
+
+        gm = trace(fn, ints(8, 8), ints(4), ints(16, 8).bfloat16(), ints(8).bfloat16())
+        want = run(gm)
+        gm = valid(bucket_pass(lowered(gm), rank_of=lambda group: 0, alone_bytes=200))
+        self.assertEqual(len(gathers(gm)), 2)  # w alone; b alone, what is left of the bucket
+        (rs,) = scatters(gm)  # one bucket of both gradients, in fp32
+        self.assertEqual(val(rs.args[0]), ((2 * (64 + 4),), torch.float32))
+        assert_same(run(gm), want)
+
     def test_scatter_bucket_pads_each_member(self) -> None:
         def fn(gw: Tensor, gb: Tensor) -> list[Tensor]:
             return [reduce_grad(gw, [3, 4], 0, "w"), reduce_grad(gb, [2], 0, "b")]

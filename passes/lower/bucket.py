@@ -33,7 +33,13 @@ it needs neither a pack nor an unpack copy (in a bucket, world > 1 makes every m
 strided, copied out to be used). With ``alone_bytes`` set, a member whose full size is at least that many
 bytes keeps its own collective; the smaller ones share the unit's bucket, where one launch pays for them
 all. Large collectives run near the links' bandwidth alone; the scheduling passes place a unit's
-collectives together (``prefetch`` counts units, not collectives). HSDP units are always bucketed.
+collectives together (``prefetch`` counts units, not collectives). HSDP units are always bucketed, and so
+is a gradient whose reduction casts it (``reduce_dtype`` other than its dtype): the cast it needs anyway
+writes it straight into its slice of the bucket, so alone it would save no copy, and for a flat shard
+(NOTE [flat shards]) the bucket's output *is* the unit's gradient where alone pieces are copied together
+again; what alone would cost is a launch per parameter, host time that a backward of large matmuls
+cannot spare (on one H200, a Llama-3-8B block's five large gradients cost five launches of ~0.15 ms each
+that left the GPU idle between them).
 
 Only collectives of one group, one dtype and one world size share a bucket, and members are packed in
 graph order, which is the same on every rank. The bucket is placed where its first member was (an
@@ -341,7 +347,8 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
 
 def _alone(launch: fx.Node, alone_bytes: int | None) -> bool:
     """NOTE [large params alone]: does this member keep its own collective?"""
-    if alone_bytes is None or fsdp_meta(launch).get("replicate_group"):
+    meta = fsdp_meta(launch)
+    if alone_bytes is None or meta.get("replicate_group") or (is_reduce_scatter(launch) and meta.get("casts")):
         return False
     full = tensor_bytes(wait_of(launch)) if is_all_gather(launch) else tensor_bytes(launch.args[0])  # type: ignore[arg-type]
     return full >= alone_bytes

@@ -94,7 +94,8 @@ def _lower(gm: fx.GraphModule, node: fx.Node, a: dict[str, object], *, gather: b
     else:
         sizes = [int(v.numel()) if gather else math.prod(shape) for v, shape in zip(vals, shapes)]
     width = torch.empty((), dtype=dtype).element_size()
-    if alone_bytes is not None and any(world * n * width >= alone_bytes for n in sizes):
+    casts = not gather and any(v.dtype != dtype for v in vals)  # NOTE [large params alone] in bucket.py
+    if alone_bytes is not None and not casts and any(world * n * width >= alone_bytes for n in sizes):
         return
     group = str(a["ag_group" if gather else "rs_group"])
     names = str(a["names"]).split(NAMES_SEP)
@@ -106,7 +107,7 @@ def _lower(gm: fx.GraphModule, node: fx.Node, a: dict[str, object], *, gather: b
                                     dtype=dtype, shapes=shapes)
     else:
         meta = {"unit": a["unit"], "ag_group": a["ag_group"], "rs_group": a["rs_group"],
-                "replicate_group": a["replicate_group"], "kind": "reduce_scatter", "params": names}
+                "replicate_group": a["replicate_group"], "casts": casts, "kind": "reduce_scatter", "params": names}
         ranks = world * max(int(a["replicate_size"]), 1)  # type: ignore[call-overload]
         outs = splice_reduce_bucket(gm.graph, inputs, before=node, meta=meta, world=world, group=group,
                                     sizes=sizes, dtype=dtype, divisor=ranks if ranks > 1 else None,

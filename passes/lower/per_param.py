@@ -88,8 +88,10 @@ def lower_reduce_grad_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True
         if not is_reduce_grad(node):
             continue
         a = ReduceGradArgs.of(node)
+        grad_dtype = a.grad.meta["val"].dtype if isinstance(a.grad, fx.Node) and "val" in a.grad.meta else None
         meta = {"unit": a.unit, "param": a.name, "ag_group": a.ag_group, "rs_group": a.rs_group,
-                "replicate_group": a.replicate_group}
+                "replicate_group": a.replicate_group,
+                "casts": a.reduce_dtype is not None and a.reduce_dtype != grad_dtype}  # NOTE [large params alone]
 
         def scatter(grad: Tensor, a: ReduceGradArgs = a) -> Tensor:
             if elide_single_rank and a.world_size == 1 and tuple(grad.shape) == a.shard_shape:

@@ -62,6 +62,7 @@ class Result:
     median_ms: float = 0.0
     tokens_per_s: float = 0.0
     mfu: float | None = None
+    oom: bool = False  # ran out of device memory: no step measured
 
 
 def model_config(layers: int, tiny: bool, tokens: int) -> ModelConfig:
@@ -139,14 +140,22 @@ def measure(args: argparse.Namespace, device: torch.device, groups: FsdpGroups) 
     runs: dict[str, dict[str, Any]] = {}
 
     def start(variant: str) -> None:
-        model, forward, opt = build(variant, cfg, device, groups, args.tiny)
-        run = {"model": model, "forward": forward, "opt": opt}
-        results[variant] = Result(variant, cold_s=step(forward, opt, batch, cuda), step_ms=[], peak_gib=None)
-        for _ in range(args.warmup):
-            step(forward, opt, batch, cuda)
-        runs[variant] = run
+        try:
+            model, forward, opt = build(variant, cfg, device, groups, args.tiny)
+            run = {"model": model, "forward": forward, "opt": opt}
+            results[variant] = Result(variant, cold_s=step(forward, opt, batch, cuda), step_ms=[], peak_gib=None)
+            for _ in range(args.warmup):
+                step(forward, opt, batch, cuda)
+            runs[variant] = run
+        except torch.OutOfMemoryError:  # reported as such; the other variant still runs
+            results[variant] = Result(variant, cold_s=float("nan"), step_ms=[], peak_gib=None, oom=True)
+        if results[variant].oom:  # (outside the handler, so that its frames are gone)
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def timed_round(variant: str) -> None:
+        if variant not in runs:
+            return
         times, peak = _timed(runs[variant], batch, args.steps, cuda)
         r = results[variant]
         r.step_ms += times
@@ -163,12 +172,14 @@ def measure(args: argparse.Namespace, device: torch.device, groups: FsdpGroups) 
             start(variant)
             for _ in range(args.rounds):
                 timed_round(variant)
-            runs.pop(variant)
+            runs.pop(variant, None)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
     per_token, _ = flops_per_token(cfg, args.tokens)
     for r in results.values():
+        if r.oom:
+            continue
         r.median_ms = statistics.median(r.step_ms)
         r.tokens_per_s = args.tokens * dist.get_world_size() / (r.median_ms / 1e3)
         r.mfu = r.tokens_per_s * per_token / (args.peak_tflops * 1e12) / dist.get_world_size() if cuda else None
@@ -224,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"embedding, {per_token:.3g} FLOP/token, schedule: {schedule}")
     print(f"{'variant':15} {'step ms':>9} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {'cold s':>7}")
     for r in results:
+        if r.oom:
+            print(f"{r.variant:15} out of device memory")
+            continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "-"
         peak = f"{r.peak_gib:.1f}" if r.peak_gib is not None else "-"
         print(f"{r.variant:15} {r.median_ms:9.1f} {r.tokens_per_s:10.0f} {mfu:>7} {peak:>9} {r.cold_s:7.1f}")

@@ -56,7 +56,7 @@ TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, 
 @dataclass
 class Result:
     variant: str
-    cold_s: float
+    cold_s: float | None
     step_ms: list[float]
     peak_gib: float | None
     median_ms: float = 0.0
@@ -148,7 +148,7 @@ def measure(args: argparse.Namespace, device: torch.device, groups: FsdpGroups) 
                 step(forward, opt, batch, cuda)
             runs[variant] = run
         except torch.OutOfMemoryError:  # reported as such; the other variant still runs
-            results[variant] = Result(variant, cold_s=float("nan"), step_ms=[], peak_gib=None, oom=True)
+            results[variant] = Result(variant, cold_s=None, step_ms=[], peak_gib=None, oom=True)
         if results[variant].oom:  # (outside the handler, so that its frames are gone)
             gc.collect()
             torch.cuda.empty_cache()

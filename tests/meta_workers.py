@@ -7,12 +7,16 @@ non-persistent buffer). Its shapes divide by neither 2 nor 3 ranks.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import os
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -21,7 +25,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.profiler import ProfilerActivity, profile
 
-from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, get_model_state_dict, make_backend, set_model_state_dict
+from fsdp_compile import (FsdpGroups, MixedPrecisionPolicy, fully_shard, get_model_state_dict, local_shard, make_backend,
+                          set_model_state_dict)
 from fsdp_compile.api.materialize import check_built_alike, local_sums
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -142,35 +147,59 @@ def broadcast_load(rank: int, world: int, path: str) -> dict[str, Any]:
     return out
 
 
-def _peak_bytes(fn: Callable[[], None]) -> int:
-    """The peak of the CPU allocator's bytes allocated while ``fn`` runs, above where it started (the
-    profiler's memory events: every tensor, temporaries and collective buffers included)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+@contextmanager
+def _every_free_counted() -> Iterator[None]:
+    """The CPU allocator counts a free toward the bytes allocated only on a thread the profiler runs in,
+    unless c10's ``caffe2_report_cpu_memory_usage`` flag is set (``c10/core/CPUAllocator.cpp``): gloo's
+    worker threads free what a collective held (its work object), so without the flag the count only
+    grows, by up to a tensor per collective. Set while measuring (no Python binding: the flag itself)."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    was, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = was
+
+
+def _memory(fn: Callable[[], None]) -> dict[str, int]:
+    """While ``fn`` runs: ``peak``, the most bytes the CPU allocator held above where it started (every
+    tensor of every thread, temporaries and collective buffers included), and ``here``, the bytes
+    allocated on this thread (not in a collective's worker thread), from the profiler's memory events."""
+    with _every_free_counted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
-    memory = [e["args"] for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])]
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
     if not memory:
-        return 0
+        return {"peak": 0, "here": 0}
     # "Total Allocated" counts from the first profile of the process: start from where this one began.
-    start = memory[0]["Total Allocated"] - memory[0]["Bytes"]
-    return max(0, *(m["Total Allocated"] - start for m in memory))
+    start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    me = threading.get_native_id()
+    return {"peak": max(0, *(m["args"]["Total Allocated"] - start for m in memory)),
+            "here": sum(m["args"]["Bytes"] for m in memory if m["args"]["Bytes"] > 0 and m.get("tid") == me)}
 
 
 MEMORY_NET = {"vocab": 64, "dim": 96, "layers": 8}
 
 
 def init_memory(rank: int, world: int, path: str) -> dict[str, int]:
-    """Peak bytes allocated on this rank by to_empty + init_weights, and by to_empty + a rank-0
-    broadcast load, beside its shards, the largest parameter and the whole model."""
+    """Bytes allocated on this rank by to_empty + init_weights, by the same init on the unsharded model
+    (what torch's init functions allocate themselves), by one read and write of the largest parameter,
+    and by to_empty + a rank-0 broadcast load; beside its shards, the largest parameter and the model."""
     warnings.simplefilter("ignore")
     groups = FsdpGroups.create()
     out: dict[str, int] = {}
     with torch.device("meta"):
         meta = Net(**MEMORY_NET)
+        unsharded = Net(**MEMORY_NET)
     out["model"] = sum(p.numel() * 4 for p in meta.parameters())
     out["largest"] = max(p.numel() * 4 for p in meta.parameters())
+    unsharded.to_empty(device="cpu")
+    torch.manual_seed(SEED)
+    out["init_own"] = _memory(unsharded.init_weights)["peak"]
+    del unsharded
 
     def shard(model: Net) -> Net:
         for block in model.blocks:
@@ -184,8 +213,13 @@ def init_memory(rank: int, world: int, path: str) -> dict[str, int]:
         torch.manual_seed(SEED)
         model.init_weights()
 
-    out["init_peak"] = _peak_bytes(init)
+    out["init_peak"] = _memory(init)["peak"]
     out["shards"] = sum(p.numel() * p.element_size() for p in model.parameters()) + model.freq.numel() * 4
+    fc = model.blocks[0].fc
+    assert fc.in_features * fc.out_features * 4 == out["largest"]
+    out["fc_shard"] = local_shard(fc, "weight").numel() * 4
+    read = _memory(lambda: nn.init.normal_(fc.weight))  # (what it gathers dies with the call)
+    out["read_peak"], out["read_here"] = read["peak"], read["here"]
     with torch.device("meta"):
         other = shard(Net(**MEMORY_NET))
     sd = torch.load(path) if rank == 0 else {}
@@ -195,7 +229,7 @@ def init_memory(rank: int, world: int, path: str) -> dict[str, int]:
         other.to_empty(device="cpu")
         set_model_state_dict(other, sd, options=BROADCAST)
 
-    out["load_peak"] = _peak_bytes(load)
+    out["load_peak"] = _memory(load)["peak"]
     out["state_dict_held"] = held
     groups.destroy()
     return out

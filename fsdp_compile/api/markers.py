@@ -11,6 +11,13 @@ NOTE [padding]: a param of dim-0 size ``n`` is stored as ``ceil(n / world)`` row
 last ranks hold zero rows past ``n``. ``unshard`` gathers ``world * rows`` rows and narrows to ``n``;
 ``reduce_grad`` pads the gradient with zero rows back to ``world * rows`` before reduce-scattering,
 so padding never reaches the user's compute, and the padded rows of a shard's grad are always zero.
+
+NOTE [eager gather, no copy]: an eager ``unshard`` returns the all-gather's output itself: a tensor of the
+full shape set over the output's storage from its start, so the padding rows lie unused past its end. It
+is not a view (autograd forbids writing in place into a view made inside a custom op, and an init writes
+into what it reads: NOTE [reading a sharded parameter]), and it is not a copy: a read costs one full
+parameter, freed when the caller's last reference dies (gloo also stages the gathered rows in a buffer
+of the same size inside the collective, and copies this rank's shard; NCCL writes into the output).
 """
 
 from __future__ import annotations
@@ -54,10 +61,6 @@ def shard_rows(dim0: int, world_size: int) -> int:
     return -(-dim0 // world_size)
 
 
-def _dim0(shape: list[int]) -> int:
-    return shape[0] if len(shape) > 0 else 1
-
-
 # ---------------------------------------------------------------------------------------------
 # unshard
 # ---------------------------------------------------------------------------------------------
@@ -91,12 +94,17 @@ def unshard(
     leaf whose ``.grad`` receives the full gradient instead; the shard gets none and nothing is reduced.
     """
     _warn_slow_path()
-    x = shard if param_dtype is None else shard.to(param_dtype)
+    x = shard if param_dtype is None else shard.to(param_dtype)  # the cast: a shard, before the gather
     if world_size > 1:
-        x = _gather_eagerly(x, world_size, ag_group, name)
-    # A fresh tensor, not a view: a view of an internal buffer cannot be written into by the caller
-    # (NOTE [reading a sharded parameter]), and a custom op's output may not alias its input.
-    return x[: _dim0(full_shape)].reshape(full_shape).clone()
+        return _full_of(_gather_eagerly(x, world_size, ag_group, name), full_shape)
+    return _full_of(x, full_shape) if x is not shard else x.reshape(full_shape).clone()  # (no alias of the input)
+
+
+def _full_of(padded: Tensor, full_shape: list[int]) -> Tensor:
+    """NOTE [eager gather, no copy]: a tensor of ``full_shape`` over ``padded``'s storage, not a view of it."""
+    full = padded.new_empty(0)
+    strides = torch.empty(full_shape, device="meta").stride()
+    return full.set_(padded.untyped_storage(), padded.storage_offset(), full_shape, strides)
 
 
 def _gather_eagerly(x: Tensor, world_size: int, group: str, name: str) -> Tensor:

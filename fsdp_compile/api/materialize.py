@@ -20,8 +20,12 @@ any init does), in the parameter's own dtype outside a forward even under mixed 
 unsharded model draws it, and each in-place write, through the tensor or any view of it, copies this
 rank's rows back into its shard. So the values are exactly the unsharded model's with the same seed, at
 any world size, for every ``torch.nn.init`` function (tests/test_meta_init.py). A rank's memory while
-initialising: its shards, plus the parameter being initialised gathered (and the all-gather's buffers).
-Non-persistent buffers are in no checkpoint: the init method fills them.
+initialising: its shards, plus the parameter being initialised, which is the all-gather's output itself
+(NOTE [eager gather, no copy] in ``markers.py``), written back by copying this rank's rows into the shard
+and freed when the init drops it, plus what the init function allocates for itself, as on the unsharded
+model (torch's ``trunc_normal_`` resamples through ``torch.where``: about 3 more of the parameter);
+while gathering, gloo adds a staging buffer of the parameter's size inside the collective. Never the
+model. Non-persistent buffers are in no checkpoint: the init method fills them.
 """
 
 from __future__ import annotations

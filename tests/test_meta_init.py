@@ -112,8 +112,9 @@ def test_memory_while_initialising_is_the_shards_plus_about_one_parameter(tmp_pa
         # function allocates (torch's trunc_normal_ resamples through torch.where: about 3.25 params),
         # which the unsharded model's init allocates too (``init_own``); while gathering, the read above.
         init_bound = shards + max(big + r["init_own"], read_bound)
-        # Broadcast loading: a buffer per tensor, and gloo's worker thread still holds the previous one at times.
-        load_bound = shards + 2 * big + slack
+        # Broadcast loading: one staging buffer of the largest tensor's bytes, reused (rank 0 sends the
+        # tensors it holds from where they lie). NOTE [rank-0 broadcast].
+        load_bound = shards + big + slack
         print(f"\nrank {rank} of 3 (L = the largest param, {big / 1024:.0f} KiB; shards {shards / big:.2f} L): init "
               f"peak shards + {(r['init_peak'] - shards) / big:.2f} L (the init's own temporaries "
               f"{r['init_own'] / big:.2f} L); one read: peak {r['read_peak'] / big:.2f} L, {r['read_here'] / big:.2f} L "

@@ -4,15 +4,19 @@ NOTE [rank-0 broadcast]: a full checkpoint (a Hugging Face ``save_pretrained`` d
 ``torch.save``-d state dict) is read on rank 0 alone; the other ranks pass ``{}``. Rank 0 first tells
 every rank which of the model's tensors it holds (names, shapes, dtypes, and the keys that are missing or
 unexpected) in one ``broadcast_object_list``; then each tensor travels alone, in model order, through one
-``dist.broadcast`` from global rank 0 into a buffer every rank allocates, and each rank copies its rows
-into its shard (a buffer or unmanaged param: the whole tensor) before the next one. A rank's extra
-memory is one full tensor at a time, never the model. The writes are in place, so a unit's flat shard
-(NOTE [flat shards]) stays the parameters' storage. ``torch.distributed.checkpoint.state_dict`` calls
+``dist.broadcast`` from global rank 0, and each rank copies its rows into its shard (a buffer or
+unmanaged param: the whole tensor) before the next one. Every rank receives into one staging buffer,
+the bytes of the largest tensor, made once and reused for each (viewed as its dtype and shape); rank 0
+sends a tensor from where it lies when it is contiguous on the model's device, else through that
+buffer too. A rank's extra memory is that one buffer, never the model (a buffer per tensor would be two
+at times: gloo's worker thread lets go of a broadcast's tensor a moment after the call returns). The writes are in place, so a unit's flat shard (NOTE [flat shards]) stays
+the parameters' storage. ``torch.distributed.checkpoint.state_dict`` calls
 this ``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,20 +86,28 @@ def broadcast_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], s
     if strict and (missing or unexpected):
         raise ValueError(f"{caller}: missing keys {few(missing)}, unexpected keys {few(unexpected)} in rank 0's "
                          "state dict; pass StateDictOptions(strict=False) to load a partial state dict.")
+    largest = max((math.prod(shape) * dtype.itemsize for _, _, shape, dtype in plan), default=0)
+    staging: dict[torch.device, Tensor] = {}  # bytes for the largest tensor, one buffer per device, reused
     with torch.no_grad():
         for index, name, shape, dtype in plan:
             e = entries[index]
-            target = e.param.shard if e.param is not None else e.tensor
-            buffer = state_dict[name].to(target.device).contiguous() if rank == 0 else torch.empty(shape, dtype=dtype,
-                                                                                      device=target.device)
+            target = (e.param.shard if e.param is not None else e.tensor).detach()
+            held = state_dict[name] if rank == 0 else None
+            if held is not None and held.device == target.device and held.is_contiguous():
+                buffer = held  # sent from where it lies
+            else:
+                if target.device not in staging:
+                    staging[target.device] = torch.empty(largest, dtype=torch.uint8, device=target.device)
+                nbytes = math.prod(shape) * dtype.itemsize
+                buffer = staging[target.device][:nbytes].view(dtype).view(shape)
+                if held is not None:
+                    buffer.copy_(held)
             dist.broadcast(buffer, src=0)
             if e.param is None:
-                target.detach().copy_(buffer)
+                target.copy_(buffer)
                 continue
             start, stop = row_range(e.param)
             rows = buffer.reshape(1) if not shape else buffer
-            shard = target.detach()
-            shard[: stop - start].copy_(rows[start:stop])
-            shard[stop - start:].zero_()  # NOTE [padding]
-            del buffer, rows
+            target[: stop - start].copy_(rows[start:stop])
+            target[stop - start:].zero_()  # NOTE [padding]
     return _IncompatibleKeys(missing, unexpected)

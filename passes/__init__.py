@@ -1,7 +1,7 @@
 """Pure graph passes: ``GraphModule -> GraphModule``, one idea per file, no process groups.
 
 - ``capture/``: on Dynamo's graph, before AOTAutograd (outline, unroll, hoist, inline, group markers);
-- ``lower/``: on each graph AOTAutograd hands on (share bodies, expand or lower grouped markers, lower
+- ``lower/``: on each graph AOTAutograd hands on (share bodies, lower or expand flat markers, lower
   per parameter, bucket, tiles);
 - ``schedule/``: where collectives and copies go and which stream runs them (prefetch, reduce_scatter,
   streams, absorb);

@@ -2,10 +2,9 @@
 ``fsdp::unshard`` and ``fsdp::reduce_grad``, are ``fsdp_compile/api/markers.py``'s.
 
 - The markers' arguments, once (NOTE [one marker spec] below), which every marker op follows.
-- Grouped markers: ``unshard_many`` / ``reduce_grad_many`` (NOTE [grouped markers] in
-  ``capture/group_markers.py``) and ``unshard_flat`` / ``reduce_grad_flat`` (NOTE [flat shards], same
-  file): one op for every parameter one outlined call reads, defined from the spec; their eager
-  implementations call the per-parameter markers.
+- Flat markers: ``unshard_flat`` / ``reduce_grad_flat`` (NOTE [flat markers] in ``capture/group_markers.py``):
+  one op for every parameter of a flat unit that one outlined call reads, defined from the spec; their
+  eager implementations call the per-parameter markers.
 - Bucket copies: ``pack_shards``, ``copy_out_rows``, ``pack_rows`` (NOTE [bucket copies] below): one op
   per copy into or out of a unit's bucket.
 
@@ -25,7 +24,7 @@ __all__ = ["NAMES_SEP", "REDUCE_GRAD_ARGS", "REDUCE_GRAD_SHARED", "UNSHARD_ARGS"
            "by_name", "copy_out_rows", "flat_pieces", "flatten_shapes", "in_order", "numel", "pack_rows", "pack_shards",
            "unflatten_shapes"]
 
-NAMES_SEP = "\n"  # between the names a grouped marker carries (a name holding it is never grouped)
+NAMES_SEP = "\n"  # between the names a flat marker carries (a name holding it never joins one)
 
 
 def flatten_shapes(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -57,7 +56,7 @@ Spec = tuple[tuple[str, str], ...]  # (name, schema type) of each argument, in o
 
 # NOTE [one marker spec]: the arguments of the two markers, written once. ``fsdp_compile/api/markers.py`` defines
 # ``fsdp::unshard`` and ``fsdp::reduce_grad`` with Python signatures (``torch.library.custom_op`` reads
-# them; tests/test_passes_grouped.py checks them against these); the grouped markers below take the
+# them; tests/test_passes_grouped.py checks them against these); the flat markers below take the
 # per-parameter arguments as lists and the ``*_SHARED`` ones once, their schemas built from here; the
 # fakes, backwards and passes read arguments by these names (``by_name``, ``in_order``,
 # ``predicates.UnshardArgs``).
@@ -73,7 +72,7 @@ REDUCE_GRAD_ARGS: Spec = (
     ("reduce_dtype", "ScalarType?"), ("out_dtype", "ScalarType"),
 )
 _PER_PARAM = {"shard", "full_shape", "grad", "shard_shape", "name", "accumulate"}
-UNSHARD_SHARED: Spec = tuple(a for a in UNSHARD_ARGS if a[0] not in _PER_PARAM)  # one value per grouped marker
+UNSHARD_SHARED: Spec = tuple(a for a in UNSHARD_ARGS if a[0] not in _PER_PARAM)  # one value per flat marker
 REDUCE_GRAD_SHARED: Spec = tuple(a for a in REDUCE_GRAD_ARGS if a[0] not in _PER_PARAM)
 
 
@@ -92,18 +91,15 @@ def in_order(spec: Spec, **values: object) -> tuple[object, ...]:
 
 
 def _define(qualname: str, per_param: str, shared: Spec, returns: str) -> None:
-    """Define a grouped marker: its per-parameter arguments, then ``shared``, as one schema."""
+    """Define a flat marker: its per-parameter arguments, then ``shared``, as one schema."""
     args = ", ".join([per_param, *(f"{type_} {name}" for name, type_ in shared)])
     torch.library.define(qualname, f"({args}) -> {returns}", tags=(torch.Tag.pt2_compliant_tag,))
 
 
 # ---------------------------------------------------------------------------------------------
-# Grouped markers: every parameter one call reads
+# Flat markers: every parameter of a flat unit one call reads
 # ---------------------------------------------------------------------------------------------
 
-_define("fsdp::unshard_many", "Tensor[] shards, SymInt[] ranks, SymInt[] dims, str names", UNSHARD_SHARED, "Tensor[]")
-_define("fsdp::reduce_grad_many", "Tensor[] grads, SymInt[] ranks, SymInt[] dims, str names", REDUCE_GRAD_SHARED,
-        "Tensor[]")
 _define("fsdp::unshard_flat",
         "Tensor flat, SymInt[] shard_ranks, SymInt[] shard_dims, SymInt[] ranks, SymInt[] dims, str names",
         UNSHARD_SHARED, "Tensor[]")
@@ -131,55 +127,6 @@ def _full_or_zeros(grads: Sequence[Tensor | None], full: Sequence[tuple[list[int
     # A parameter the call never read has no gradient: zeros, which reduce to its zero gradient.
     return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
             for g, (shape, dtype) in zip(grads, full)]
-
-
-@torch.library.impl("fsdp::unshard_many", "CompositeExplicitAutograd")
-def unshard_many(shards: list[Tensor], ranks: list[int], dims: list[int], names: str, *shared: object) -> list[Tensor]:
-    """``fsdp::unshard`` of each shard: ``shards[i]`` is the parameter ``names.split(NAMES_SEP)[i]`` of
-    full shape ``unflatten_shapes(ranks, dims)[i]``; ``shared``: the ``UNSHARD_SHARED`` arguments."""
-    return _unshard_each(shards, unflatten_shapes(ranks, dims), names, shared)
-
-
-@torch.library.register_fake("fsdp::unshard_many")
-def _unshard_many_fake(shards: list[Tensor], ranks: list[int], dims: list[int], names: str,
-                       *shared: object) -> list[Tensor]:
-    param_dtype = by_name(UNSHARD_SHARED, shared)["param_dtype"]
-    return [s.new_empty(shape, dtype=param_dtype or s.dtype)  # type: ignore[arg-type]
-            for s, shape in zip(shards, unflatten_shapes(ranks, dims))]
-
-
-def _unshard_many_setup(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
-    shards, ranks, dims, names, *shared = inputs
-    common = by_name(UNSHARD_SHARED, shared)
-    ctx.full = [(shape, common["param_dtype"] or s.dtype) for s, shape in zip(shards, unflatten_shapes(ranks, dims))]
-    ctx.shard_shapes = flatten_shapes([s.shape for s in shards])
-    ctx.device = shards[0].device
-    ctx.reduce_args = (names, *in_order(REDUCE_GRAD_SHARED, **common, out_dtype=shards[0].dtype))
-
-
-def _unshard_many_backward(ctx: Any, grads: list[Tensor | None]) -> tuple:
-    ranks, dims = ctx.shard_shapes
-    out = torch.ops.fsdp.reduce_grad_many(_full_or_zeros(grads, ctx.full, ctx.device), ranks, dims, *ctx.reduce_args)
-    return (list(out),) + (None,) * (3 + len(UNSHARD_SHARED))
-
-
-torch.library.register_autograd("fsdp::unshard_many", _unshard_many_backward, setup_context=_unshard_many_setup)
-
-
-@torch.library.impl("fsdp::reduce_grad_many", "CompositeExplicitAutograd")
-def reduce_grad_many(grads: list[Tensor], ranks: list[int], dims: list[int], names: str,
-                     *shared: object) -> list[Tensor]:
-    """``fsdp::reduce_grad`` of each full gradient to a shard of shape ``unflatten_shapes(ranks, dims)[i]``;
-    ``shared``: the ``REDUCE_GRAD_SHARED`` arguments."""
-    return _reduce_each(grads, unflatten_shapes(ranks, dims), names, shared)
-
-
-@torch.library.register_fake("fsdp::reduce_grad_many")
-def _reduce_grad_many_fake(grads: list[Tensor], ranks: list[int], dims: list[int], names: str,
-                           *shared: object) -> list[Tensor]:
-    out_dtype = by_name(REDUCE_GRAD_SHARED, shared)["out_dtype"]
-    return [g.new_empty(shape, dtype=out_dtype)  # type: ignore[arg-type]
-            for g, shape in zip(grads, unflatten_shapes(ranks, dims))]
 
 
 @torch.library.impl("fsdp::unshard_flat", "CompositeExplicitAutograd")
@@ -242,7 +189,6 @@ def _reduce_grad_flat_fake(grads: list[Tensor], shard_ranks: list[int], shard_di
     out_dtype = by_name(REDUCE_GRAD_SHARED, shared)["out_dtype"]
     total = sum(numel(s) for s in unflatten_shapes(shard_ranks, shard_dims))
     return grads[0].new_empty(total, dtype=out_dtype)  # type: ignore[arg-type]
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,8 +19,6 @@ __all__ = [
     "ReduceGradArgs",
     "is_unshard",
     "is_reduce_grad",
-    "is_grouped_unshard",
-    "is_grouped_reduce_grad",
     "is_flat_unshard",
     "is_flat_reduce_grad",
     "flat_piece",
@@ -64,16 +62,6 @@ def is_unshard(node: fx.Node) -> bool:
 def is_reduce_grad(node: fx.Node) -> bool:
     """``full grad -> fsdp::reduce_grad -> shard grad``: a marker before lowering."""
     return _schema_name(node) == "fsdp::reduce_grad"
-
-
-def is_grouped_unshard(node: fx.Node) -> bool:
-    """``[shards] -> fsdp::unshard_many -> getitem -> full params``"""
-    return _schema_name(node) == "fsdp::unshard_many"
-
-
-def is_grouped_reduce_grad(node: fx.Node) -> bool:
-    """``[full grads] -> fsdp::reduce_grad_many -> shard grads``"""
-    return _schema_name(node) == "fsdp::reduce_grad_many"
 
 
 def is_flat_unshard(node: fx.Node) -> bool:

@@ -1,6 +1,8 @@
-"""``lower_grouped_pass`` (NOTE [grouped lowering]): a grouped marker lowered straight to its unit's bucket
-gives the graph that expanding, lowering each parameter and bucketing give, node for node; and it is left
-alone wherever that path would give something else. Small hand-built graphs, no process group."""
+"""Flat markers (NOTE [flat markers]): ``group_markers_pass`` makes one of the markers an outlined call reads
+of a flat unit and leaves a unit not laid out flat its per-parameter markers; ``lower_grouped_pass`` (NOTE
+[grouped lowering]) lowers a flat marker straight to its unit's bucket, the buckets that expanding, lowering
+each parameter and bucketing give, and leaves it alone wherever that path would give something else. Small
+hand-built graphs, no process group."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from expecttest import TestCase
 from torch import Tensor, fx
 
+from passes.capture.group_markers import group_markers_pass
 from passes.graph_ops import (
     NAMES_SEP,
     REDUCE_GRAD_ARGS,
@@ -23,83 +26,102 @@ from passes.lower.bucket import bucket_pass
 from passes.lower.expand_markers import expand_markers_pass
 from passes.lower.grouped import lower_grouped_pass
 from passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
+from passes.lower.tiles import tiles_pass
 from passes.predicates import (
     ReduceGradArgs,
     UnshardArgs,
     fsdp_meta,
-    is_grouped_reduce_grad,
-    is_grouped_unshard,
+    is_flat_reduce_grad,
+    is_flat_unshard,
     is_reduce_grad,
     is_unshard,
 )
 
-from .pass_graphs import WIDTH, assert_same, gathers, ints, launches, ops, run, scatters, trace, valid
+from .pass_graphs import (
+    WIDTH,
+    assert_same,
+    gathers,
+    ints,
+    launches,
+    ops,
+    run,
+    scatters,
+    trace,
+    unshard,
+    valid,
+)
 
 UNITS = 3
 
 
-def _gather_many(shards: list[Tensor], shapes: list[list[int]], unit: int, names: list[str], world: int,
-                 param_dtype: torch.dtype | None = None) -> list[Tensor]:
-    ranks, dims = flatten_shapes(shapes)
-    return torch.ops.fsdp.unshard_many(shards, ranks, dims, NAMES_SEP.join(names), world, unit, "ag", "rs", "", 1,
-                                       True, param_dtype, None)
+def _shapes(world: int) -> tuple[list[list[int]], list[list[int]]]:
+    """A unit's (shard shapes, full shapes): w (WIDTH, WIDTH) and b (WIDTH,), its flat their shards in turn."""
+    rows = -(-WIDTH // world)
+    return [[rows, WIDTH], [rows]], [[WIDTH, WIDTH], [WIDTH]]
 
 
-def _reduce_many(grads: list[Tensor], shapes: list[list[int]], unit: int, names: list[str], world: int,
-                 reduce_dtype: torch.dtype | None = None) -> list[Tensor]:
-    ranks, dims = flatten_shapes(shapes)
-    return torch.ops.fsdp.reduce_grad_many(grads, ranks, dims, NAMES_SEP.join(names), world, unit, "ag", "rs", "", 1,
-                                           reduce_dtype, torch.float32)
+def _flats(world: int) -> list[Tensor]:
+    return [ints(sum(torch.Size(s).numel() for s in _shapes(world)[0])) for _ in range(UNITS)]
+
+
+def _gather_flat(flat: Tensor, unit: int, world: int, param_dtype: torch.dtype | None = None) -> list[Tensor]:
+    shard, full = _shapes(world)
+    return torch.ops.fsdp.unshard_flat(flat, *flatten_shapes(shard), *flatten_shapes(full),
+                                       NAMES_SEP.join([f"w{unit}", f"b{unit}"]), world, unit, "ag", "rs", "", 1, True,
+                                       param_dtype, None)
+
+
+def _reduce_flat(grads: list[Tensor], unit: int, world: int, reduce_dtype: torch.dtype | None = None) -> Tensor:
+    shard, _ = _shapes(world)
+    return torch.ops.fsdp.reduce_grad_flat(grads, *flatten_shapes(shard), NAMES_SEP.join([f"w{unit}", f"b{unit}"]),
+                                           world, unit, "ag", "rs", "", 1, reduce_dtype, torch.float32)
 
 
 def _forward(world: int = 2, *, loose: bool = False, unread: bool = False, param_dtype: torch.dtype | None = None,
              ) -> fx.GraphModule:
-    """Per unit k one grouped gather of w_k (WIDTH, WIDTH) and b_k (WIDTH,), then ``x = relu(x @ w_k + b_k)``.
-    ``loose``: unit 1 also gathers its w by a marker of its own (and reads both); ``unread``: unit 2's b is never read."""
+    """Per unit k one flat gather of w_k and b_k, then ``x = relu(x @ w_k + b_k)``. ``loose``: unit 1
+    also gathers its w by a per-parameter marker on its piece of the flat (and reads both); ``unread``:
+    unit 2's b is never read."""
     torch.manual_seed(0)  # each call, the same example inputs
-    rows = -(-WIDTH // world)
+    rows = _shapes(world)[0][0][0]
 
-    def fn(x: Tensor, *ss: Tensor) -> Tensor:
+    def fn(x: Tensor, *flats: Tensor) -> Tensor:
         for k in range(UNITS):
-            w, b = _gather_many([ss[2 * k], ss[2 * k + 1]], [[WIDTH, WIDTH], [WIDTH]], k, [f"w{k}", f"b{k}"], world,
-                                param_dtype)
+            w, b = _gather_flat(flats[k], k, world, param_dtype)
             if loose and k == 1:
-                w = w + torch.ops.fsdp.unshard(ss[2 * k], [WIDTH, WIDTH], world, k, "w1_again", "ag", "rs", "", 1, True,
-                                           param_dtype, None)
+                piece = flats[k].narrow(0, 0, rows * WIDTH).view(rows, WIDTH)
+                w = w + unshard(piece, [WIDTH, WIDTH], k, "w1_again", world=world, param_dtype=param_dtype)
             x = torch.relu(x.to(w.dtype) @ w + (0 if unread and k == 2 else b)).to(x.dtype)
         return x
 
-    shards = [t for _ in range(UNITS) for t in (ints(rows, WIDTH), ints(rows))]
-    gm = trace(fn, ints(2, WIDTH), *shards)
+    gm = trace(fn, ints(2, WIDTH), *_flats(world))
     gm.graph.eliminate_dead_code()  # (an output nothing reads has no getitem, as in AOTAutograd's graphs)
     return valid(gm)
 
 
 def _backward(world: int = 2, reduce_dtype: torch.dtype | None = None) -> fx.GraphModule:
-    """Units in reverse: each re-gathers its w and b (grouped), computes their full gradients and reduces
-    them with one grouped ``reduce_grad_many``."""
+    """Units in reverse: each re-gathers its w and b (flat), computes their full gradients and reduces
+    them with one ``reduce_grad_flat`` to its flat's gradient."""
     torch.manual_seed(0)
-    rows = -(-WIDTH // world)
 
-    def fn(g: Tensor, acts: Tensor, *ss: Tensor) -> list[Tensor]:
+    def fn(g: Tensor, acts: Tensor, *flats: Tensor) -> list[Tensor]:
         out: list[Tensor] = []
         for k in reversed(range(UNITS)):
-            w, _ = _gather_many([ss[2 * k], ss[2 * k + 1]], [[WIDTH, WIDTH], [WIDTH]], k, [f"w{k}", f"b{k}"], world)
+            w, _ = _gather_flat(flats[k], k, world)
             gw, gb = acts[k].t() @ g, g.sum(0)
-            out += _reduce_many([gw, gb], [[rows, WIDTH], [rows]], k, [f"w{k}", f"b{k}"], world, reduce_dtype)
+            out.append(_reduce_flat([gw, gb], k, world, reduce_dtype))
             g = g @ w.t()
         return [g, *out]
 
-    shards = [t for _ in range(UNITS) for t in (ints(rows, WIDTH), ints(rows))]
-    return trace(fn, ints(2, WIDTH), ints(UNITS, 2, WIDTH), *shards)
+    return trace(fn, ints(2, WIDTH), ints(UNITS, 2, WIDTH), *_flats(world))
 
 
 def _per_parameter(gm: fx.GraphModule, *, elide_single_rank: bool = True, **bucket: object) -> fx.GraphModule:
-    """The path without the shortcut: expand, lower each parameter, bucket."""
+    """The path without the shortcut: expand, lower each parameter, bucket, tiles."""
     gm = valid(expand_markers_pass(gm))
     gm = valid(lower_unshard_pass(gm, elide_single_rank=elide_single_rank))
     gm = valid(lower_reduce_grad_pass(gm, elide_single_rank=elide_single_rank))
-    return valid(bucket_pass(gm, **bucket))  # type: ignore[arg-type]
+    return valid(tiles_pass(valid(bucket_pass(gm, **bucket))))  # type: ignore[arg-type]
 
 
 def _direct(gm: fx.GraphModule, **options: object) -> fx.GraphModule:
@@ -119,8 +141,23 @@ def _normal(gm: fx.GraphModule) -> list[str]:
     return rows
 
 
-def _grouped(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if is_grouped_unshard(n) or is_grouped_reduce_grad(n)]
+def _flat_markers(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if is_flat_unshard(n) or is_flat_reduce_grad(n)]
+
+
+def _but_cut_and_joined(gm: fx.GraphModule) -> list[str]:
+    """``ops(gm)`` without each ``cat`` and the views only it reads: the per-parameter path's end of a
+    flat's reduce-scatter, the bucket's output cut into members and joined again."""
+    aten = torch.ops.aten
+    dropped: set[fx.Node] = set()
+    stack = list(gm.graph.find_nodes(op="call_function", target=aten.cat.default))
+    while stack:
+        n = stack.pop()
+        dropped.add(n)
+        stack += [i for i in n.all_input_nodes if i.target in (aten.as_strided.default, aten.view.default)
+                  and set(i.users) <= dropped]
+    return [getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in gm.graph.nodes
+            if n.op == "call_function" and n not in dropped]
 
 
 class TestLowerGrouped(TestCase):
@@ -132,17 +169,29 @@ class TestLowerGrouped(TestCase):
         assert_same(run(got), run(reference))
         return got
 
-    def test_the_bucket_is_what_lowering_and_bucketing_give(self) -> None:
+    def test_the_gather_bucket_is_what_lowering_and_bucketing_give(self) -> None:
         for world in (1, 2):
             for rank_of in (None, lambda group: 0):
-                self._same_as_per_parameter(lambda: _forward(world), rank_of=rank_of, elide_single_rank=False)
-                self._same_as_per_parameter(lambda: _backward(world), rank_of=rank_of, elide_single_rank=False)
+                self._same_as_per_parameter(lambda world=world: _forward(world), rank_of=rank_of,
+                                            elide_single_rank=False)
         self._same_as_per_parameter(lambda: _forward(param_dtype=torch.bfloat16))
-        self._same_as_per_parameter(lambda: _backward(reduce_dtype=torch.bfloat16))
+
+    def test_the_flat_gradient_is_the_reduce_scatter_output_whole(self) -> None:
+        """The per-parameter path gives the same collectives, then cuts the bucket's output into members
+        and joins them again; lowered at once, the output is the flat's gradient as it is."""
+        for world, reduce_dtype in ((1, None), (2, None), (2, torch.bfloat16)):
+            options = {"rank_of": lambda group: 0, "elide_single_rank": False}
+            want = _per_parameter(_backward(world, reduce_dtype), **options)  # type: ignore[arg-type]
+            got = _direct(_backward(world, reduce_dtype), **options)
+            self.assertEqual(ops(got), _but_cut_and_joined(want))
+            self.assertEqual([sorted(fsdp_meta(n).items()) for n in launches(got)],
+                             [sorted(fsdp_meta(n).items()) for n in launches(want)])
+            assert_same(run(got), run(want))
+            assert_same(run(got), run(valid(expand_markers_pass(_backward(world, reduce_dtype)))))
 
     def test_no_per_parameter_collective_is_made(self) -> None:
         gm = valid(lower_grouped_pass(_backward(), rank_of=lambda group: 0))
-        self.assertEqual(_grouped(gm), [])
+        self.assertEqual(_flat_markers(gm), [])
         self.assertFalse([n for n in gm.graph.nodes if is_unshard(n) or is_reduce_grad(n)])
         self.assertEqual((len(gathers(gm)), len(scatters(gm))), (UNITS, UNITS))
         self.assertEqual([fsdp_meta(n)["params"] for n in launches(gm)],
@@ -151,8 +200,8 @@ class TestLowerGrouped(TestCase):
         unit = names[: len(names) // UNITS]
         self.assertEqual(names, unit * UNITS)
         self.assertExpectedInline(" ".join(unit), """\
-pack_shards slice all_gather_into_tensor_out wait_tensor copy_out_rows getitem getitem select t mm sum pack_rows \
-reduce_scatter_tensor wait_tensor div as_strided as_strided t mm""")
+all_gather_into_tensor wait_tensor copy_out_rows getitem getitem select t mm sum pack_rows reduce_scatter_tensor \
+wait_tensor div t mm""")
 
     def test_left_alone_where_the_per_parameter_path_gives_something_else(self) -> None:
         cases: dict[str, tuple[Callable[[], fx.GraphModule], dict[str, object], int]] = {
@@ -164,15 +213,65 @@ reduce_scatter_tensor wait_tensor div as_strided as_strided t mm""")
         for why, (make, bucket, left) in cases.items():
             with self.subTest(why):
                 kept = lower_grouped_pass(make(), **bucket)  # type: ignore[arg-type]
-                self.assertEqual(len(_grouped(kept)), left)
+                self.assertEqual(len(_flat_markers(kept)), left)
                 self._same_as_per_parameter(make, **bucket)
+
+
+def _outlined_call(flat: bool) -> fx.GraphModule:
+    """One outlined call as Dynamo hands it on, its markers hoisted out of the body::
+
+        w = unshard(s_w, ...); b = unshard(s_b, ...); invoke_subgraph(body, "block", x, w, b)
+
+    ``flat``: the shards are pieces of one flat graph input, ``narrow`` (and ``view``) of it, as a flat
+    unit's are read; else each a graph input of its own, as a unit not laid out flat has them."""
+    (shard_w, shard_b), _ = _shapes(2)
+    graph = fx.Graph()
+
+    def valued(node: fx.Node, shape: list[int]) -> fx.Node:
+        node.meta["example_value"] = torch.zeros(shape)
+        return node
+
+    x = valued(graph.placeholder("x"), [2, WIDTH])
+    n_w, n_b = shard_w[0] * shard_w[1], shard_b[0]
+    if flat:
+        base = valued(graph.placeholder("flat"), [n_w + n_b])
+        s_w = valued(graph.call_method("view", (valued(graph.call_method("narrow", (base, 0, 0, n_w)), [n_w]),
+                                                *shard_w)), shard_w)
+        s_b = valued(graph.call_method("narrow", (base, 0, n_w, n_b)), shard_b)
+    else:
+        s_w, s_b = valued(graph.placeholder("s_w"), shard_w), valued(graph.placeholder("s_b"), shard_b)
+    w, b = (valued(graph.call_function(torch.ops.fsdp.unshard.default,
+                                       (s, full, 2, 0, name, "ag", "rs", "", 1, True, None, None)), full)
+            for s, full, name in ((s_w, [WIDTH, WIDTH], "w"), (s_b, [WIDTH], "b")))
+    call = graph.call_function(torch.ops.higher_order.invoke_subgraph, (graph.get_attr("body"), "block", x, w, b))
+    graph.output((call,))
+    root = torch.nn.Module()
+    root.body = fx.symbolic_trace(lambda x, w, b: (torch.relu(x @ w + b),))  # type: ignore[assignment]
+    return fx.GraphModule(root, graph)
+
+
+class TestGroupMarkers(TestCase):
+    def test_an_outlined_call_reads_a_flat_unit_through_one_flat_marker(self) -> None:
+        gm = group_markers_pass(_outlined_call(flat=True))
+        (marker,) = _flat_markers(gm)
+        self.assertFalse([n for n in gm.graph.nodes if is_unshard(n) or n.op == "call_method"])  # pieces erased
+        self.assertEqual(marker.args[0].name, "flat")
+        (call,) = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+        self.assertEqual([(a.args[0], a.args[1]) for a in call.args[3:]], [(marker, 0), (marker, 1)])
+        self.assertEqual(marker.args[5], NAMES_SEP.join(["w", "b"]))
+
+    def test_a_unit_not_laid_out_flat_keeps_its_per_parameter_markers(self) -> None:
+        before = [str(n.format_node()) for n in _outlined_call(flat=False).graph.nodes]
+        gm = group_markers_pass(_outlined_call(flat=False))
+        self.assertEqual([str(n.format_node()) for n in gm.graph.nodes], before)
+        self.assertEqual([UnshardArgs.of(n).name for n in gm.graph.nodes if is_unshard(n)], ["w", "b"])
 
 
 def test_every_marker_follows_the_one_marker_spec() -> None:
     """NOTE [one marker spec]: the markers' Python signatures (fsdp_compile/api/markers.py, which
     ``torch.library.custom_op`` needs) and the readers ``UnshardArgs`` / ``ReduceGradArgs`` name the
     arguments of ``UNSHARD_ARGS`` / ``REDUCE_GRAD_ARGS``, in order and with those schema types; the
-    grouped markers end with the shared ones."""
+    flat markers end with the shared ones."""
     def spelled(spec: tuple[tuple[str, str], ...]) -> str:
         return ", ".join(f"{type_} {name}" for name, type_ in spec)
 
@@ -181,7 +280,6 @@ def test_every_marker_follows_the_one_marker_spec() -> None:
     assert str(torch.ops.fsdp.reduce_grad.default._schema) == f"fsdp::reduce_grad({spelled(REDUCE_GRAD_ARGS)}) -> Tensor"
     assert tuple(UnshardArgs.__dataclass_fields__) == arg_names(UNSHARD_ARGS)
     assert tuple(ReduceGradArgs.__dataclass_fields__) == arg_names(REDUCE_GRAD_ARGS)
-    for op, shared in [(torch.ops.fsdp.unshard_many, UNSHARD_SHARED), (torch.ops.fsdp.unshard_flat, UNSHARD_SHARED),
-                       (torch.ops.fsdp.reduce_grad_many, REDUCE_GRAD_SHARED),
+    for op, shared in [(torch.ops.fsdp.unshard_flat, UNSHARD_SHARED),
                        (torch.ops.fsdp.reduce_grad_flat, REDUCE_GRAD_SHARED)]:
         assert str(op.default._schema).split(") -> ")[0].endswith(spelled(shared)), op

@@ -219,7 +219,7 @@ def _lowering(options: BackendOptions) -> list[NamedPass]:
     bucket = functools.partial(bucket_pass, rank_of=rank_of, alone_bytes=options.bucket_alone_bytes)
     passes = [NamedPass("lower_unshard", lower), NamedPass("lower_reduce_grad", reduce), NamedPass("bucket", bucket),
               NamedPass("tiles", tiles_pass)]  # NOTE [tiled gradients]
-    expand = NamedPass("expand_markers", expand_markers_pass)  # NOTE [grouped markers]
+    expand = NamedPass("expand_markers", expand_markers_pass)  # NOTE [flat markers]
     if {p.name for p in passes} & set(options.disabled_passes):  # each step seen apart: no shortcut
         return [expand, *passes]
     grouped = functools.partial(lower_grouped_pass, elide_single_rank=options.elide_single_rank, rank_of=rank_of,
@@ -356,7 +356,7 @@ def _make_backend(options: BackendOptions) -> Any:
             gm = outer_markers(gm, example_inputs, keep_bodies=options.outlines())
         gm = inductor_pre_grad_passes(gm, example_inputs)
         with timed("fsdp.outline"):
-            gm = group_markers_pass(gm)  # NOTE [grouped markers]: split again in _compile
+            gm = group_markers_pass(gm)  # NOTE [flat markers]: lowered or split again in _compile
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from passes.predicates import UnshardArgs, is_flat_unshard, is_grouped_unshard, is_unshard, schema_args
+from passes.predicates import UnshardArgs, is_flat_unshard, is_unshard, schema_args
 
 from fsdp_compile._compat import OpOverload, inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
 
@@ -62,7 +62,7 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
     for node in joint.graph.nodes:
         if is_unshard(node):
             reshard = UnshardArgs.of(node).reshard
-        elif is_grouped_unshard(node) or is_flat_unshard(node):  # NOTE [grouped markers]: its getitems are read as views are
+        elif is_flat_unshard(node):  # NOTE [flat markers]: its getitems are read as views are
             reshard = bool(schema_args(node)["reshard"])
         else:
             continue

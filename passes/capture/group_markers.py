@@ -1,40 +1,46 @@
-"""One marker per call of an outlined body while AOTAutograd traces, the per-parameter markers again after.
+"""One marker per flat unit per outlined call while AOTAutograd traces, the per-parameter markers again after.
 
-NOTE [grouped markers]: AOTAutograd's trace costs about the same per op whatever the op does (on the
-CPU here a marker's forward and backward cost what a multiply's do), and once blocks are outlined
-(NOTE [outlined units] in ``fsdp_compile/api/module.py``) the per-parameter markers are most of what it
-traces per block: nine ``fsdp::unshard`` before each call of a Llama block and nine ``fsdp::reduce_grad``
-after its backward, against one call each way. So just before AOTAutograd, the markers that gather the
-parameters one call reads become one ``fsdp::unshard_many`` (:func:`group_markers_pass`), whose
-backward is one ``fsdp::reduce_grad_many``; in each graph AOTAutograd hands on, a grouped op that is all
-of its unit becomes the unit's bucket at once (NOTE [grouped lowering] in ``lower/grouped.py``) and any
-other is split back into the per-parameter markers, with the same arguments and in the same order
-(``expand_markers_pass`` in ``lower/expand_markers.py``), so the passes see what they always saw::
+NOTE [flat markers]: a parameter read in compiled code is gathered by a marker of one of two forms.
 
-    before:  w_a = unshard(s_a, [d, d], ..., "layers.0.wq", ...); w_b = unshard(s_b, ...); invoke_subgraph(body, x, w_a, w_b)
-    grouped: ws = unshard_many([s_a, s_b], [d, d, ...], [2, ...], "layers.0.wq\\nlayers.0.wk", ...)
-             invoke_subgraph(body, x, ws[0], ws[1])
+- Per parameter, ``fsdp::unshard`` / ``fsdp::reduce_grad`` (``fsdp_compile/api/markers.py``): what Dynamo
+  traces a read of a sharded parameter to. In each graph AOTAutograd hands on they are lowered one by
+  one (``lower/per_param.py``) and merged into one bucket per unit (``lower/bucket.py``).
+- Flat, ``fsdp::unshard_flat`` / ``fsdp::reduce_grad_flat`` (``passes/graph_ops.py``): one per unit and
+  outlined call, made here, for a unit whose shards are one flat tensor.
 
-The grouped ops carry the per-parameter markers' arguments: the shapes flattened (``flatten_shapes``),
+AOTAutograd's trace costs about the same per op whatever the op does (on the CPU here a marker's
+forward and backward cost what a multiply's do), and once blocks are outlined (NOTE [outlined units] in
+``fsdp_compile/api/module.py``) the per-parameter markers are most of what it traces per block: nine
+``fsdp::unshard`` before each call of a Llama block and nine ``fsdp::reduce_grad`` after its backward,
+against one call each way. ``fully_shard`` lays a unit's shards out as one flat tensor per rank (every
+shard a view of it, in the unit's order; NOTE [flat shards] in ``fsdp_compile/api/flat_shard.py``) and
+a compiled read of parameter ``i`` is the marker on a piece of it. When one outlined call reads every
+piece of a flat, its markers become one ``fsdp::unshard_flat`` of the flat itself
+(:func:`group_markers_pass`, :func:`group_flat`), whose backward is one ``fsdp::reduce_grad_flat``
+returning the flat's gradient::
+
+    before: w_a = unshard(view(narrow(flat, 0, 0, n_a), s_a), ...)
+            w_b = unshard(view(narrow(flat, 0, n_a, n_b), s_b), ...)
+            invoke_subgraph(body, x, w_a, w_b)
+    after:  ws = unshard_flat(flat, [s_a, s_b], [full_a, full_b], "a\\nb", ...); w_a = ws[0]; w_b = ws[1]
+            invoke_subgraph(body, x, w_a, w_b)
+
+So AOTAutograd traces one op each way per unit and call, the all-gather packs the flat in one copy, and
+the reduce-scatter's output *is* the flat's gradient, where AOTAutograd would otherwise rebuild it from
+the pieces' gradients (a zero tensor and a ``slice_scatter`` and an add per piece: NOTE [tiled gradients]
+in ``lower/tiles.py``). In each graph AOTAutograd hands on, a flat marker that is all of its unit
+becomes the unit's bucket at once (NOTE [grouped lowering] in ``lower/grouped.py``); any other is split
+back (``expand_markers_pass`` in ``lower/expand_markers.py``) into the per-parameter markers on views of
+the flat and a ``cat`` of their gradients, with the same arguments and in the same order.
+
+A unit whose shards are not one flat (``fully_shard(flat=False)``, one parameter, mixed dtypes or
+devices, a parameter frozen at ``fully_shard`` time, a ``BlockStack``: ``flatten_unit`` in
+``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers: the same buckets in the end, more
+ops for AOTAutograd to trace.
+
+A flat marker carries the per-parameter markers' arguments: the shapes flattened (``flatten_shapes``),
 the names joined by ``NAMES_SEP`` (an op's schema takes no nested int lists and no string lists), every
-other argument shared. The ops are ``passes/graph_ops.py``'s; their eager implementations call the
-per-parameter markers.
-
-NOTE [flat shards]: ``fully_shard`` lays a unit's shards out as one flat tensor per rank (every shard a
-view of it, in the unit's order; ``fsdp_compile/api/flat_shard.py``) and a compiled read of parameter ``i`` is the
-marker on a piece of it, ``unshard(flat.narrow(0, off_i, n_i).view(shape_i), ...)``: Dynamo then takes
-one input per unit, not one per parameter. When one outlined call reads every piece of a flat, its
-markers become one ``fsdp::unshard_flat`` of the flat itself (:func:`group_flat`), whose backward is
-one ``fsdp::reduce_grad_flat`` returning the flat's gradient::
-
-    w_a = unshard(view(narrow(flat, 0, 0, n_a), s_a), ...); w_b = unshard(view(narrow(flat, 0, n_a, n_b), s_b), ...)
-    -> ws = unshard_flat(flat, [s_a, s_b], [full_a, full_b], "a\\nb", ...); w_a = ws[0]; w_b = ws[1]
-
-So the all-gather packs the flat in one copy, and the reduce-scatter's output *is* the flat's gradient,
-where AOTAutograd would otherwise rebuild it from the pieces' gradients (a zero tensor and a
-``slice_scatter`` and an add per piece). Lowered at once to the unit's bucket where the grouped path
-applies (``lower/grouped.py``), else split back (``expand_flat`` in ``lower/expand_markers.py``) into the
-per-parameter markers on views of the flat and a ``cat`` of their gradients.
+other argument shared.
 """
 
 from __future__ import annotations
@@ -50,29 +56,25 @@ from ..predicates import UnshardArgs, flat_piece, is_unshard
 
 __all__ = ["group_markers_pass"]
 
-_SHARED = arg_names(UNSHARD_SHARED)  # alike for every marker of a group (NOTE [one marker spec])
-
+_SHARED = arg_names(UNSHARD_SHARED)  # alike for every marker one flat marker replaces (NOTE [one marker spec])
 
 
 def _groupable(marker: fx.Node, call: fx.Node) -> bool:
-    """A named marker, without an accumulator, that only this call reads, of a shard that is a graph
-    input with a value (defined before any marker, so the group can stand where the call's first
-    marker stood), or a piece of one (NOTE [flat shards])."""
+    """A named marker, without an accumulator, that only this call reads, of a piece of a flat shard
+    with a value."""
     a = UnshardArgs.of(marker)
-    return (a.accumulate is None and NAMES_SEP not in a.name
-            and (a.shard.op == "placeholder" or flat_piece(a.shard) is not None)
+    return (a.accumulate is None and NAMES_SEP not in a.name and flat_piece(a.shard) is not None
             and isinstance(_value(a.shard), Tensor) and all(u is call for u in marker.users))
-
 
 
 def _value(node: fx.Node) -> object:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-
 def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """NOTE [grouped markers]: the markers each ``invoke_subgraph`` call reads (of one unit, with every
-    argument but the shard, the shape and the name alike) become one ``fsdp::unshard_many``."""
+    """NOTE [flat markers]: the markers each ``invoke_subgraph`` call reads (of one unit, with every
+    argument but the shard, the shape and the name alike) become one ``fsdp::unshard_flat`` when they
+    read every piece of one flat shard; any other marker is left as it is."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = False
     for call in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
@@ -83,10 +85,7 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
                 key = (*(getattr(a, k) for k in _SHARED), _value(a.shard).dtype)  # type: ignore[union-attr]
                 groups.setdefault(key, []).append(arg)
         for key, markers in groups.items():
-            if len(markers) > 1 and group_flat(gm, markers, order, list(key[:-1])):  # NOTE [flat shards]
-                changed = True
-            elif len(markers) > 1 and all(UnshardArgs.of(m).shard.op == "placeholder" for m in markers):
-                _group(gm, markers, order)
+            if len(markers) > 1 and group_flat(gm, markers, order, list(key[:-1])):
                 changed = True
     if changed:
         gm.graph.lint()
@@ -94,31 +93,8 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-
-def _group(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.Node, int]) -> None:
-    args = [UnshardArgs.of(m) for m in markers]
-    ranks, dims = flatten_shapes([a.full_shape for a in args])
-    first = min(markers, key=lambda m: order[m])
-    shared = [getattr(args[0], k) for k in _SHARED]
-    with gm.graph.inserting_before(first):
-        many = gm.graph.call_function(torch.ops.fsdp.unshard_many.default,
-                                      ([a.shard for a in args], ranks, dims, NAMES_SEP.join(a.name for a in args),
-                                       *shared))
-    values = [m.meta.get("example_value") for m in markers]
-    if all(v is not None for v in values):
-        many.meta["example_value"] = list(values)
-    many.meta["stack_trace"] = first.meta.get("stack_trace")
-    for i, marker in enumerate(markers):
-        with gm.graph.inserting_after(many):
-            item = gm.graph.call_function(operator.getitem, (many, i))
-        item.meta.update(marker.meta)
-        marker.replace_all_uses_with(item)
-        gm.graph.erase_node(marker)
-
-
-
 def group_flat(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.Node, int], shared: list[object]) -> bool:
-    """NOTE [flat shards]: when ``markers`` (one outlined call's, of one unit, ``shared`` arguments alike)
+    """NOTE [flat markers]: when ``markers`` (one outlined call's, of one unit, ``shared`` arguments alike)
     read pieces that tile one flat shard, replace them by one ``fsdp::unshard_flat`` of the flat; returns
     whether it did."""
     pieces = [flat_piece(UnshardArgs.of(m).shard) for m in markers]

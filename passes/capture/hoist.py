@@ -12,7 +12,7 @@ takes the gathered parameter instead of the shard, and each call gathers its own
              h1 = invoke_subgraph(body, x0, unshard(s0_a), unshard(s0_b))[0]; h2 = ...(h1, unshard(s1_a), ...)
 
 The markers keep their arguments (the backend names their unit afterwards, from the shard). A marker
-reading a piece of a flat shard that is a body input (``narrow`` and ``view`` of it, NOTE [flat shards]
+reading a piece of a flat shard that is a body input (``narrow`` and ``view`` of it, NOTE [flat markers]
 in ``group_markers.py``) moves with the piece's ``narrow`` and ``view``. A marker reading a value computed in the
 body otherwise stays where it is (the backend then inlines that body).
 """

@@ -1,2 +1,2 @@
-"""Passes on each graph AOTAutograd hands on: share outlined bodies, split grouped markers, lower the
+"""Passes on each graph AOTAutograd hands on: share outlined bodies, lower or split flat markers, lower the
 markers to functional collectives and bucket them per unit."""

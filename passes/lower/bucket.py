@@ -147,7 +147,7 @@ def _gather_bucket(world: int, group: str, sizes: Sequence[int], rank: int | Non
 
 def _gathers_as_is(shards: Sequence[Tensor], dtype: torch.dtype, n: int) -> bool:
     """NOTE [a flat gathers as it is]: a bucket whose one member is a contiguous shard already in the
-    gather's dtype and of the bucket's size (a unit's flat shard, NOTE [flat shards] in ``capture/group_markers.py``) is
+    gather's dtype and of the bucket's size (a unit's flat shard, NOTE [flat markers] in ``capture/group_markers.py``) is
     gathered straight from that shard, out of place. The in-place gather exists to keep a packed copy
     from living beside the output (NOTE [in-place all-gather]); here the input is the persistent shard,
     which lives anyway, so packing would only add a copy kernel on the compute stream (and two nodes per
@@ -179,7 +179,7 @@ def _scatter_bucket(world: int, group: str, sizes: Sequence[int], dtype: torch.d
 def _finish(out: Tensor, sizes: Sequence[int], divisor: object, out_dtype: torch.dtype,
             shapes: Sequence[Sequence[int]] | None) -> list[Tensor]:
     """One average and one cast for the whole bucket, then each member's piece in its own shape
-    (``shapes`` ``None``: the bucket whole, a flat shard's gradient, NOTE [flat shards] in
+    (``shapes`` ``None``: the bucket whole, a flat shard's gradient, NOTE [flat markers] in
     ``capture/group_markers.py``)."""
     if divisor is not None:
         out = out / divisor
@@ -235,7 +235,7 @@ def splice_reduce_bucket(graph: fx.Graph, grads: Sequence[fx.Node], *, before: f
 
 
 def _flat_order(members: list[fx.Node], gather: bool) -> tuple[list[fx.Node], fx.Node | None]:
-    """NOTE [flat shards] in ``capture/group_markers.py``: members that are the pieces of one flat shard,
+    """NOTE [flat markers] in ``capture/group_markers.py``: members that are the pieces of one flat shard,
     all of them, in the flat's order, and the flat (the bucket then packs it whole: no view of it left in
     the graph); for gradients, members whose results are scattered into one flat's gradient, in its order (``tiles.py``
     then takes the bucket's output whole), and ``None``. Else ``members`` as they are, and ``None``."""
@@ -373,7 +373,7 @@ def bucket_pass(gm: fx.GraphModule, *, rank_of: Callable[[str], int] | None = No
     for members in _groups(gm, is_all_reduce):  # HSDP: across replicas, after the reduce-scatter
         if len(members) > 1:
             _merge(gm, members, gather=False, hoist=hoist)
-    tag_pieces(gm, [n for n in gm.graph.nodes if is_all_gather(n)])  # NOTE [flat shards] in capture/group_markers.py
+    tag_pieces(gm, [n for n in gm.graph.nodes if is_all_gather(n)])  # NOTE [flat markers] in capture/group_markers.py
     reorder(gm.graph, before=hoist)
     return gm
 

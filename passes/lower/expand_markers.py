@@ -1,16 +1,16 @@
-"""Split grouped markers back into per-parameter markers, in each graph AOTAutograd hands on.
+"""Split flat markers back into per-parameter markers, in each graph AOTAutograd hands on.
 
-NOTE [grouped markers] (``capture/group_markers.py``): the markers one outlined call reads became one
-``fsdp::unshard_many`` (or ``fsdp::unshard_flat`` of a flat shard, NOTE [flat shards]) for AOTAutograd's
-trace; a grouped marker that the grouped lowering (``grouped.py``) did not take is split here into
-the per-parameter ``fsdp::unshard`` / ``fsdp::reduce_grad`` markers, with the same arguments and in the
-same order, so the passes that follow see what they always saw::
+NOTE [flat markers] (``capture/group_markers.py``): the markers one outlined call reads of a flat unit
+became one ``fsdp::unshard_flat`` of the flat for AOTAutograd's trace, and its backward one
+``fsdp::reduce_grad_flat``; a flat marker that the grouped lowering (``grouped.py``) did not take is
+split here into the per-parameter ``fsdp::unshard`` / ``fsdp::reduce_grad`` markers, with the same
+arguments and in the same order, so the passes that follow see what they always saw::
 
-    ws = unshard_many([s_a, s_b], ranks, dims, "a\\nb", ...); w_a = ws[0]; w_b = ws[1]
-    -> w_a = unshard(s_a, full_a, ..., "a", ...); w_b = unshard(s_b, full_b, ..., "b", ...)
+    ws = unshard_flat(flat, shard_ranks, shard_dims, ranks, dims, "a\\nb", ...); w_a = ws[0]; w_b = ws[1]
+    -> w_a = unshard(view(narrow(flat, 0, 0, n_a), s_a), full_a, ..., "a", ...); w_b = unshard(..., "b", ...)
 
-An ``fsdp::unshard_flat``'s markers read views of the flat, and an ``fsdp::reduce_grad_flat`` becomes
-the per-parameter reductions and a ``cat`` of their gradients.
+    g = reduce_grad_flat([g_a, g_b], shard_ranks, shard_dims, "a\\nb", ...)
+    -> g = cat([reduce_grad(g_a, s_a, ..., "a", ...).reshape(-1), reduce_grad(g_b, s_b, ..., "b", ...).reshape(-1)])
 """
 
 from __future__ import annotations
@@ -32,44 +32,18 @@ from ..graph_ops import (
     in_order,
     unflatten_shapes,
 )
-from ..predicates import (
-    is_flat_reduce_grad,
-    is_flat_unshard,
-    is_grouped_reduce_grad,
-    is_grouped_unshard,
-)
+from ..predicates import is_flat_reduce_grad, is_flat_unshard
 from ..splice import splice
 
 __all__ = ["expand_markers_pass"]
 
 
 def expand_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """NOTE [grouped markers]: each ``fsdp::unshard_many`` and ``fsdp::reduce_grad_many`` of an
-    AOTAutograd graph split back into its per-parameter ``fsdp::unshard`` / ``fsdp::reduce_grad``."""
+    """NOTE [flat markers]: each ``fsdp::unshard_flat`` and ``fsdp::reduce_grad_flat`` of an AOTAutograd
+    graph split back into its per-parameter ``fsdp::unshard`` / ``fsdp::reduce_grad``."""
     for node in [n for n in gm.graph.nodes if is_flat_unshard(n) or is_flat_reduce_grad(n)]:
-        expand_flat(gm, node)  # NOTE [flat shards]
-    grouped = [n for n in gm.graph.nodes if is_grouped_unshard(n) or is_grouped_reduce_grad(n)]
-    for node in grouped:
-        unshard = is_grouped_unshard(node)
-        (inputs, ranks, dims, names, *rest) = node.args
-        shapes = unflatten_shapes(ranks, dims)  # type: ignore[arg-type]
-        target = torch.ops.fsdp.unshard.default if unshard else torch.ops.fsdp.reduce_grad.default
-        items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-        assert len(items) == len(node.users), f"{node.name}: read other than by index"
-        vals = node.meta.get("val")
-        for i, (x, shape, name) in enumerate(zip(inputs, shapes, str(names).split(NAMES_SEP))):  # type: ignore[arg-type]
-            item = items.get(i)
-            if item is None:
-                continue  # nothing reads this one
-            with gm.graph.inserting_before(node):
-                single = gm.graph.call_function(target, _single_args(unshard, x, shape, name, rest))
-            single.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            single.meta["val"] = item.meta["val"] if "val" in item.meta else vals[i]  # type: ignore[index]
-            item.replace_all_uses_with(single)
-            gm.graph.erase_node(item)
-        gm.graph.erase_node(node)
+        expand_flat(gm, node)
     return gm  # (not recompiled: the passes that follow recompile it)
-
 
 
 def expand_flat(gm: fx.GraphModule, node: fx.Node) -> None:
@@ -117,7 +91,7 @@ def expand_flat(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def _single_args(unshard: bool, x: fx.Node, shape: list[int], name: str, shared: Sequence[object]) -> tuple:
     """A per-parameter marker's arguments (NOTE [one marker spec]): ``x`` (the shard, or the full
-    gradient), its shape (full, or the shard's), its name and a grouped marker's shared arguments."""
+    gradient), its shape (full, or the shard's), its name and a flat marker's shared arguments."""
     if unshard:
         return in_order(UNSHARD_ARGS, shard=x, full_shape=shape, name=name, accumulate=None,
                         **by_name(UNSHARD_SHARED, shared))

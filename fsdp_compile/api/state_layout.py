@@ -169,11 +169,14 @@ def to_padded(sp: ShardedParam, value: Tensor, name: str) -> Tensor:
 def gather_full(sp: ShardedParam) -> Tensor:
     """The full parameter (unpadded) from every rank's shard; collective over the all-gather group."""
     groups, padded = sp.unit.groups, sp.shard.detach().contiguous()
+    n = sp.full_shape[0] if sp.full_shape else 1
     if groups.shard_size > 1:
         shard, padded = padded, padded.new_empty(padded.shape[0] * groups.shard_size, *padded.shape[1:])
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the old name is deprecated
         gather(padded, shard, group=groups.all_gather)
-    n = sp.full_shape[0] if sp.full_shape else 1
+        if padded.shape[0] == n:  # no padding rows: the gathered buffer is the full param, no copy
+            return padded.view(sp.full_shape)
+    # A copy: of the shard itself (one rank), or of the real rows alone (a saved tensor holds its whole storage).
     return padded[:n].reshape(sp.full_shape).clone()
 
 

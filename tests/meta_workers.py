@@ -237,7 +237,8 @@ def init_memory(rank: int, world: int, path: str) -> dict[str, int]:
 
 def disagreeing(rank: int, world: int, blocks: int = 0) -> dict[str, Any]:
     """Each rank seeds differently before building (``blocks``: rank 1 builds that many blocks more, all
-    seeded alike): the root's fully_shard must refuse. Then what the check costs on a tiny model."""
+    seeded alike): a fully_shard call must refuse (on every rank, at the same call). Then what the check
+    costs on a tiny model."""
     warnings.simplefilter("ignore")
     groups = FsdpGroups.create()
     torch.manual_seed(rank if not blocks else 0)
@@ -245,7 +246,7 @@ def disagreeing(rank: int, world: int, blocks: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {"error": None}
     try:
         for block in model.blocks:
-            fully_shard(block, groups=groups)  # no collective: compared at the root
+            fully_shard(block, groups=groups)  # each call compares its unit
         fully_shard(model, groups=groups)
     except ValueError as e:
         out["error"] = str(e)
@@ -260,6 +261,37 @@ def disagreeing(rank: int, world: int, blocks: int = 0) -> dict[str, Any]:
     for _ in range(10):
         check_built_alike("Net", [], groups)  # the one all-reduce
     out["collective_s"] = (time.perf_counter() - start) / 10
+    groups.destroy()
+    return out
+
+
+def _shard_error(build: Callable[[], Net], groups: FsdpGroups, blocks: bool) -> str | None:
+    """The error ``fully_shard`` raises on the model ``build`` makes (its blocks first when ``blocks``)."""
+    model = build()
+    try:
+        for block in model.blocks if blocks else ():
+            fully_shard(block, groups=groups)
+        fully_shard(model, groups=groups)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def one_unit(rank: int, world: int) -> dict[str, str | None]:
+    """A model sharded as one unit (the root ``fully_shard`` alone) built with different seeds, then with
+    one seed; and a model built on the meta device with one block more on rank 1."""
+    warnings.simplefilter("ignore")
+    groups = FsdpGroups.create()
+
+    def seeded(seed: int) -> Callable[[], Net]:
+        return lambda: (torch.manual_seed(seed), Net())[1]
+
+    def on_meta() -> Net:
+        with torch.device("meta"):
+            return Net(layers=3 + rank)
+
+    out = {"seeds": _shard_error(seeded(rank), groups, False), "alike": _shard_error(seeded(0), groups, False),
+           "meta_depth": _shard_error(on_meta, groups, True)}
     groups.destroy()
     return out
 

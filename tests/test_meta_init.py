@@ -23,6 +23,7 @@ from .meta_workers import (
     every_init,
     init_memory,
     meta_init,
+    one_unit,
     reference,
     train_steps,
 )
@@ -80,17 +81,31 @@ def test_every_nn_init_function_at_three_ranks() -> None:
             _same(r[name], ref.state_dict(), f"nn.init.{name}, rank {rank}")
 
 
+_FIXES = ("differs across ranks", "torch.manual_seed", "meta device", "broadcast_from_rank0=True")
+
+
 @pytest.mark.parametrize("blocks", [0, 1], ids=["seeds", "depth"])
 def test_ranks_built_differently_are_refused_and_the_check_is_cheap(blocks: int) -> None:
-    """Different seeds, or one block more on rank 1: one all-reduce at the root catches both (no hang)."""
+    """Different seeds, or one block more on rank 1: each fully_shard call compares its unit, and every rank
+    raises at the same call (no hang)."""
     results = run_ranks(disagreeing, 2, blocks, timeout=300)
     for r in results:
         assert r["error"] is not None, "ranks that built different models were sharded without a word"
-        for fix in ("differs across ranks", "torch.manual_seed", "meta device", "broadcast_from_rank0=True"):
+        for fix in _FIXES:
             assert fix in r["error"]
         assert r["sums_s"] + r["collective_s"] < 0.05
     print(f"\nchecksums of the tiny model's parameters: {results[0]['sums_s'] * 1e3:.2f} ms, the all-reduce: "
           f"{results[0]['collective_s'] * 1e3:.2f} ms (gloo, 2 ranks)")
+
+
+def test_a_model_sharded_as_one_unit_is_checked_too() -> None:
+    """Only the root fully_shard(model), no sub-units: that call compares too; a meta-device model is
+    compared by its sizes, so one block more on a rank is refused as well (not a hang)."""
+    for rank, r in enumerate(run_ranks(one_unit, 2, timeout=300)):
+        for case in ("seeds", "meta_depth"):
+            assert r[case] is not None, f"rank {rank}, {case}: ranks that built different models were sharded"
+            assert all(fix in r[case] for fix in _FIXES), (case, r[case])
+        assert r["alike"] is None, r["alike"]
 
 
 def test_memory_while_initialising_is_the_shards_plus_about_one_parameter(tmp_path: Path) -> None:

@@ -99,28 +99,33 @@ def rebind_params(unit: Unit) -> bool:
 # NOTE [ranks built alike]: ``fully_shard`` keeps each rank's rows of the full parameters that rank was built
 # with. Ranks that built their model without a common seed would train a model stitched together from
 # different initialisations, and nothing else would notice. So each call sums its unit's full parameters
-# before sharding (the sum, the 2-norm and the element count, in float64: ``local_sums``), and the call
-# that completes a model (a module holding other units: the root, or a ``BlockStack``) compares the sums
-# of every unit under it not compared yet across the ranks, with one all-reduce per group (MAX of the sums
-# and of their negatives: the largest and smallest at once). One collective per model, at a call every
-# rank makes, so ranks that built different numbers of blocks are caught too instead of hanging. Meta
+# before sharding (the sum, the 2-norm and the element count, in float64: ``local_sums``) and compares
+# the sums of every unit under it not compared yet across the ranks, with one all-reduce per group (MAX
+# of the sums and of their negatives: the largest and smallest at once). Every call compares, because no
+# call knows whether it is the last: a block's looks like a model's of one unit (only the root
+# ``fully_shard(model)``), and a model's blocks would otherwise wait for a root call that may never come.
+# All ranks get the same reduced values, so they raise at the same call, and ranks that built different
+# numbers of blocks are caught where their calls first pair different units instead of hanging. Of meta
 # tensors (meta-device init: the values come later, the same on every rank through the init or a rank-0
-# broadcast) are skipped, and so are groups of one rank. A model sharded as one unit alone (no inner
-# units) is not compared: nothing marks its call as the last one.
+# broadcast) only the element count is compared. Groups of one rank compare nothing. The cost: one small
+# all-reduce per ``fully_shard`` call (tests/test_meta_init.py measures one).
 _TOLERANCE = 1e-9  # relative: float64 sums of the same values; only the reduction order may differ
 
 
 def local_sums(params: Sequence[Tensor]) -> Tensor | None:
     """Sum, 2-norm and element count of ``params`` in float64 (no float64 copy on CUDA, where the kernels
-    accumulate in it); ``None`` for meta tensors alone."""
-    params = [p for p in params if p.device.type != "meta"]
+    accumulate in it); of meta tensors the count alone (on the CPU when all are meta); ``None`` for none."""
     if not params:
         return None
+    real = [p for p in params if p.device.type != "meta"]
+    device = real[0].device if real else torch.device("cpu")
+    meta_count = torch.tensor([0.0, 0.0, float(sum(p.numel() for p in params if p.device.type == "meta"))],
+                              dtype=torch.float64, device=device)
     with torch.no_grad():
         return torch.stack([torch.stack((p.detach().sum(dtype=torch.float64),
                                          torch.linalg.vector_norm(p.detach(), dtype=torch.float64),
                                          torch.tensor(float(p.numel()), dtype=torch.float64, device=p.device)))
-                            for p in params]).sum(0)
+                            for p in real] + [meta_count]).sum(0)
 
 
 def check_built_alike(unit_name: str, units: Sequence[Unit], groups: FsdpGroups) -> None:

@@ -156,10 +156,11 @@ def fully_shard(
     of its own (what ``for block in stack: fully_shard(block, ...)`` does), and returns the stack; the
     blocks of a stack are compiled as one body (NOTE [stacked blocks] in ``stack.py``).
     Returns ``module`` (sharded in place). Buffers stay replicated; frozen parameters are gathered
-    but never reduced. The call that completes a model (on a module holding other units) checks, with
-    one small all-reduce, that every rank built its parameters with the same values (NOTE [ranks built
-    alike] in ``materialize.py``); a module built under ``torch.device("meta")`` is not checked: shard it, ``module.to_empty(device=...)``, then run its init
-    (NOTE [initialising sharded parameters]) or load rank 0's checkpoint (NOTE [rank-0 broadcast]).
+    but never reduced. Each call checks, with one small all-reduce, that every rank built the unit's
+    parameters with the same values (NOTE [ranks built alike] in ``materialize.py``); of a module built
+    under ``torch.device("meta")`` only the sizes are compared: shard it, ``module.to_empty(device=...)``,
+    then run its init (NOTE [initialising sharded parameters]) or load rank 0's checkpoint (NOTE [rank-0
+    broadcast]).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
@@ -255,9 +256,7 @@ def fully_shard(
         add_sharded_block(stack, module, unit)
     flatten_unit(unit, module, flat)
     _register_unit(module, unit, mp_policy)
-    inner = units_under(module)
-    if len(inner) > 1:  # it completes a model: NOTE [ranks built alike]
-        check_built_alike(unit_name, inner, groups)
+    check_built_alike(unit_name, units_under(module), groups)  # NOTE [ranks built alike]
     return module
 
 

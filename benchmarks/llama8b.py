@@ -32,7 +32,6 @@ import gc
 import json
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -218,7 +217,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise SystemExit("benchmarks.llama8b measures world size 1 (one GPU); run it with --nproc-per-node=1.")
-    warnings.filterwarnings("ignore", message=".*gathered eagerly.*")  # the init reads full params once
     raise_recompile_limit(len(args.variants))
     groups = FsdpGroups.create()
     try:

@@ -45,6 +45,8 @@ def test_meta_init_gives_the_unsharded_values_and_trains(world: int) -> None:
         _same(r["full"], want, f"rank {rank} of {world}")
         assert torch.equal(r["freq"], ref.freq), "the init method fills the non-persistent buffer"
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        # init, export and compiled steps are not the slow path (NOTE [the slow-path warning])
+        assert r["slow_path_warnings"] == [], r["slow_path_warnings"]
 
 
 def test_meta_init_under_mixed_precision_writes_the_fp32_values() -> None:

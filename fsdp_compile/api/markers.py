@@ -22,8 +22,10 @@ of the same size inside the collective, and copies this rank's shard; NCCL write
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,17 +43,31 @@ _NAMESPACE = "fsdp"
 ANONYMOUS_UNIT = -1
 
 _warned = threading.Event()
+_outside_forward = threading.local()  # set while a read outside any unit's forward runs (NOTE below)
+
+
+@contextlib.contextmanager
+def read_outside_forward() -> Iterator[None]:
+    """NOTE [the slow-path warning]: the warning below is for a model that *runs* off the scheduled path:
+    a unit's forward run uncompiled, or compiled by another backend. A read of ``module.<name>`` outside
+    any forward (initialising after ``to_empty``, loading, inspecting) is a documented blocking gather
+    (NOTE [reading a sharded parameter]) and says nothing; ``reads.py`` marks it with this context."""
+    before = getattr(_outside_forward, "on", False)
+    _outside_forward.on = True
+    try:
+        yield
+    finally:
+        _outside_forward.on = before
 
 
 def _warn_slow_path() -> None:
-    if not _warned.is_set():
+    if not _warned.is_set() and not getattr(_outside_forward, "on", False):
         _warned.set()
         warnings.warn(
             "fsdp_compile: a sharded parameter was gathered eagerly: a sharded model ran uncompiled or "
-            "compiled by another backend, or code read module.<name> outside the compiled model. Results "
-            "are correct, but each such read is a blocking all-gather that every rank must make, and "
-            "nothing overlaps. Use torch.compile(model, backend=fsdp_backend) for the scheduled path, and "
-            "fsdp_compile.local_shard(module, name) to read this rank's rows without communication.",
+            "compiled by another backend. Results are correct, but each such read is a blocking all-gather "
+            "that every rank must make, and nothing overlaps. Use torch.compile(model, "
+            "backend=fsdp_backend) for the scheduled path.",
             stacklevel=3,
         )
 
@@ -66,8 +82,8 @@ def shard_rows(dim0: int, world_size: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-# The two signatures below are NOTE [one marker spec] (``passes/graph_ops.py``), which the grouped
-# markers and the passes follow; tests/test_passes_grouped.py checks that they agree.
+# The two signatures below are NOTE [one marker spec] (``passes/graph_ops.py``), which the flat markers
+# and the passes follow; tests/test_passes_grouped.py checks that they agree.
 @torch.library.custom_op(f"{_NAMESPACE}::unshard", mutates_args=())
 def unshard(
     shard: Tensor,

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from fsdp_compile.api.units import ShardedParam
 
-__all__ = ["accumulator", "eager_args", "forward_depth_hooks", "traced_property",
+__all__ = ["accumulator", "eager_args", "forward_depth_hooks", "in_eager_forward", "traced_property",
            "traced_unshard"]
 
 
@@ -34,7 +34,7 @@ def accumulator(p: ShardedParam) -> Tensor | None:
     return p.accumulator if p.accumulating else None
 
 
-_forwards = threading.local()  # how many mixed-precision units' forwards run eagerly on this thread
+_forwards = threading.local()  # how many units' forwards run eagerly on this thread
 
 _PARAM_DTYPE_ARG = 9  # param_dtype's place in ShardedParam.marker_args
 
@@ -48,6 +48,11 @@ def eager_args(p: ShardedParam) -> tuple:
     if args[_PARAM_DTYPE_ARG] is None or getattr(_forwards, "depth", 0) > 0:
         return args
     return args[:_PARAM_DTYPE_ARG] + (None,) + args[_PARAM_DTYPE_ARG + 1:]
+
+
+def in_eager_forward() -> bool:
+    """Whether some unit's forward runs eagerly on this thread now."""
+    return getattr(_forwards, "depth", 0) > 0
 
 
 def forward_depth_hooks(module: nn.Module) -> None:

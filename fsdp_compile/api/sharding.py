@@ -9,6 +9,8 @@ then on the root, as with FSDP2. After the call, each of the unit's parameters i
 
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from collections import Counter
 from typing import Any
@@ -24,8 +26,9 @@ from fsdp_compile.api.gathered import gathered
 from fsdp_compile.api.groups import FsdpGroups
 from fsdp_compile.api.materialize import check_built_alike, hand_out_global_grads, local_sums, register_grad_hook
 from fsdp_compile.api.module import FsdpModule, forward_of, mix_in
-from fsdp_compile.api.markers import ANONYMOUS_UNIT, shard_rows
-from fsdp_compile.api.reads import accumulator, eager_args, forward_depth_hooks, traced_property, traced_unshard
+from fsdp_compile.api.markers import ANONYMOUS_UNIT, read_outside_forward, shard_rows
+from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks, in_eager_forward, traced_property,
+                                    traced_unshard)
 from fsdp_compile.api.stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
 from fsdp_compile.api.units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of, units_under
 
@@ -43,7 +46,8 @@ class Unshard(nn.Module):
         if torch.compiler.is_compiling():  # a stack's block reads the shard its stacked body hands in
             return traced_unshard(self.param, shard if self.param.unit.stacked else None)
         p = self.param
-        full = torch.ops.fsdp.unshard(shard, *eager_args(p), accumulator(p))
+        with contextlib.nullcontext() if in_eager_forward() else read_outside_forward():  # NOTE [the slow-path warning]
+            full = torch.ops.fsdp.unshard(shard, *eager_args(p), accumulator(p))
         return gathered(full, p)  # NOTE [reading a sharded parameter]
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
@@ -263,6 +267,7 @@ def fully_shard(
 def _register_unit(module: nn.Module, unit: Unit, mp_policy: MixedPrecisionPolicy) -> nn.Module:
     _units[module] = unit
     _renumber_subunits(module, unit)
+    forward_depth_hooks(module)  # eager reads inside a forward: cast (mixed precision), and warned of
     _cast_hooks(module, mp_policy)
     return module
 
@@ -325,8 +330,6 @@ def _cast(tensors: object, dtype: torch.dtype) -> object:
 def _cast_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
     """Mixed precision at the unit's boundary: floating inputs to ``param_dtype`` (when
     ``cast_forward_inputs``), floating outputs to ``output_dtype``."""
-    if mp.param_dtype is not None:  # eager reads cast to it inside forwards alone (reads.eager_args)
-        forward_depth_hooks(module)
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         dtype = mp.param_dtype
         module.register_forward_pre_hook(lambda _m, args, kwargs: (_cast(args, dtype), _cast(kwargs, dtype)),

@@ -24,7 +24,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # each unit's shards apart, not one flat shard: fully_shard(flat=False) (NOTE [flat shards])
     "fsdp-compile-apart": ("apart", {}),
     "fsdp2-compile": ("fsdp2", {}),
-    # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/peers.py; CUDA only)
+    # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/baselines.py; CUDA only)
     "simplefsdp": ("simplefsdp", {}),
 }
 DEFAULT_VARIANTS = ("compile", "fsdp-compile", "fsdp-compile-whole", "fsdp2-compile")
@@ -81,7 +81,7 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-        from benchmarks.peers import build_simple_fsdp
+        from benchmarks.baselines import build_simple_fsdp
 
         mesh = init_device_mesh(device, (world,))
         if how == "simplefsdp":
@@ -92,7 +92,7 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
         return torch.compile(model)
     from fsdp_compile import FsdpGroups, fully_shard, make_backend
 
-    from benchmarks.models import stack_blocks
+    from benchmarks.workloads import stack_blocks
 
     groups = FsdpGroups.create()
     flat = how != "apart"  # NOTE [flat shards]
@@ -111,7 +111,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from benchmarks.models import ModelSpec, build_model, loss_of, make_batch
+    from benchmarks.workloads import ModelSpec, build_model, loss_of, make_batch
     from fsdp_compile._compat import compile_time_metrics
 
     device = args.device

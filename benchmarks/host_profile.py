@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.models import PRESETS, make_batch
+from benchmarks.workloads import PRESETS, make_batch
 from benchmarks.variants import VARIANTS, SharedGroups, build_variant, raise_recompile_limit
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.models import peak_flops_for
+from benchmarks.workloads import peak_flops_for
 
 if TYPE_CHECKING:
     from benchmarks.step_time import BenchOptions

@@ -1,5 +1,5 @@
 """Side-by-side training step time of fsdp-compile, FSDP2, SimpleFSDP, Megatron-FSDP and plain ``torch.compile``,
-in one run (the peers: ``benchmarks.peers``, ``pip install -e '.[bench]'``; unavailable ones say why).
+in one run (the peers: ``benchmarks.baselines``, ``pip install -e '.[bench]'``; unavailable ones say why).
 
 Every variant trains its own copy of one model (same seed) on the same batch. On every rank: build all
 variants; run each one's first step alone, timed as its *cold compile* (Inductor caches off:
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.models import PRESETS, Batch, CudaPeak, ModelSpec, RssSampler, Runner, make_batch, train_flops
+from benchmarks.workloads import PRESETS, Batch, CudaPeak, ModelSpec, RssSampler, Runner, make_batch, train_flops
 from benchmarks.variants import (DEFAULT_VARIANTS, OPTIMIZERS, VARIANTS, SharedGroups, build_variant,
                                  raise_recompile_limit, unavailable_reason)
 from benchmarks.step_report import (RankReport, VariantRun, default_json_path, header_line, markdown_table,

@@ -2,8 +2,8 @@
 
 A *variant* (``VARIANTS``, ``build_variant``) is fsdp-compile with each communicator layout and schedule
 (and the comparisons that take one of its choices back: ``COMPARISONS``), FSDP2 eager or compiled, the
-peers of ``benchmarks.peers`` (SimpleFSDP, Megatron-FSDP), or plain ``torch.compile``. Each builds a
-fresh model from a seed (``benchmarks.models``) and returns its ``Runner``.
+peers of ``benchmarks.baselines`` (SimpleFSDP, Megatron-FSDP), or plain ``torch.compile``. Each builds a
+fresh model from a seed (``benchmarks.workloads``) and returns its ``Runner``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.models import ModelSpec, Runner, blocks_of, build_model, stack_blocks
-from benchmarks.peers import PEERS, build_megatron_fsdp, build_simple_fsdp, peer_reason
+from benchmarks.workloads import ModelSpec, Runner, blocks_of, build_model, stack_blocks
+from benchmarks.baselines import PEERS, build_megatron_fsdp, build_simple_fsdp, peer_reason
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 
 __all__ = ["COMPARISONS", "DEFAULT_VARIANTS", "OPTIMIZERS", "VARIANTS", "SharedGroups", "build_variant", "own_forward",

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.models import PRESETS, Runner, loss_of, make_batch
+from benchmarks.workloads import PRESETS, Runner, loss_of, make_batch
 from benchmarks.variants import VARIANTS, SharedGroups, build_variant, raise_recompile_limit, unavailable_reason
 from benchmarks.overlap import DEVICE_CATS, assign_steps, find_steps, load_trace, profile_steps
 

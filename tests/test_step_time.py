@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks import step_time as st
-from benchmarks.models import (PRESETS, ModelSpec, RssSampler, loss_of, make_batch, peak_flops_for, read_rss_bytes,
+from benchmarks.workloads import (PRESETS, ModelSpec, RssSampler, loss_of, make_batch, peak_flops_for, read_rss_bytes,
                                run_delay_s, train_flops)
 from benchmarks.variants import DEFAULT_VARIANTS, VARIANTS, SharedGroups, build_variant, own_forward, unavailable_reason
 

@@ -45,7 +45,7 @@ def _llama(layers: int, batch: int, seq: int, dim: int = 4096, heads: int = 32) 
 
 def _mlp(layers: int, tokens: int, dim: int = 4096) -> Callable[[], dict[str, Any]]:
     def build() -> dict[str, Any]:
-        from benchmarks.models import Mlp  # the benchmarks' model, as measured
+        from benchmarks.workloads import Mlp  # the benchmarks' model, as measured
 
         with torch.device("meta"):
             model = Mlp(dim, layers).to(torch.bfloat16)

@@ -151,7 +151,7 @@ STEPS: dict[str, tuple[str, dict[str, int]]] = {
 
 def whole_steps(b: Bench, names: list[str]) -> list[dict[str, Any]]:
     """fsdp-compile (``fsdp_backend``, world size 1) training steps with AdamW, as benchmarks.step_time runs them."""
-    from benchmarks.models import Mlp
+    from benchmarks.workloads import Mlp
     from fsdp_compile import FsdpGroups, fsdp_backend, fully_shard
     from fsdp_compile.examples.models import ModelConfig, Transformer, loss_fn
 

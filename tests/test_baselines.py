@@ -1,4 +1,4 @@
-"""benchmarks.peers: SimpleFSDP's compile settings and joint-graph tagging, and why each peer is not measured
+"""benchmarks.baselines: SimpleFSDP's compile settings and joint-graph tagging, and why each peer is not measured
 on CPU (both need CUDA: see the reasons); world1_costs' snapshot replay. And the other peers, the ranks
 (``fsdp_compile.safety.peers``): its hooks on the process last only while an ``FsdpGroups`` does."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from benchmarks import peers
+from benchmarks import baselines
 from benchmarks.variants import unavailable_reason
 from benchmarks.world1_costs import kernel_class, live_at_peak
 
@@ -35,7 +35,7 @@ def _gather_graph() -> fx.GraphModule:
 
 
 def test_reshard_after_forward_tags_parameter_gathers_only() -> None:
-    gm = peers.reshard_after_forward_pass(_gather_graph())
+    gm = baselines.reshard_after_forward_pass(_gather_graph())
     tagged = {n.target for n in gm.graph.nodes if n.meta.get("recompute") is CheckpointPolicy.MUST_RECOMPUTE}
     assert tagged == {torch.ops.prims.convert_element_type.default, c10d.all_gather_into_tensor.default,
                       c10d.wait_tensor.default, torch.ops.aten.slice.Tensor}
@@ -44,7 +44,7 @@ def test_reshard_after_forward_tags_parameter_gathers_only() -> None:
 
 
 def test_simple_fsdp_settings_are_torchtitans_auto_bucketing(monkeypatch: pytest.MonkeyPatch) -> None:
-    options = peers.simple_fsdp_inductor_options("cuda")
+    options = baselines.simple_fsdp_inductor_options("cuda")
     assert options["reorder_for_peak_memory"] is False and options["allow_buffer_reuse"] is False
     assert options["reorder_for_compute_comm_overlap"] is False
     seen: dict[str, object] = {}
@@ -58,18 +58,18 @@ def test_simple_fsdp_settings_are_torchtitans_auto_bucketing(monkeypatch: pytest
 
 def test_peers_report_why_they_do_not_run_on_cpu() -> None:
     cpu = torch.device("cpu")
-    for name in peers.PEERS:
+    for name in baselines.PEERS:
         reason = unavailable_reason(name, 2, cpu)
         assert reason is not None and ("CUDA" in reason or "not installed" in reason), reason
     if importlib.util.find_spec("torchtitan") is not None:
-        assert "Triton" in (peers.peer_reason("simplefsdp", cpu) or "")
+        assert "Triton" in (baselines.peer_reason("simplefsdp", cpu) or "")
     with pytest.raises(ValueError, match="unknown peer"):
-        peers.peer_reason("deepspeed", cpu)
+        baselines.peer_reason("deepspeed", cpu)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="needs the bench extra (torchtitan)")
 def test_simple_fsdp_file_loads_without_torchtitans_dependencies() -> None:
-    module = peers._simple_fsdp_module()
+    module = baselines._simple_fsdp_module()
     assert callable(module.data_parallel) and module.__name__ == "_bench_simple_fsdp"
 
 

@@ -136,12 +136,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 class _Crashed(RankFailure):
     """A rank died of a signal without reporting (what ``crash_retries`` retries).
 
-    NOTE [crash retries]: once, in CI, a 2-rank spawn of the test suite lost its rank 0 without a word
-    (no traceback; its peer then failed in a collective, connection reset) and could not be reproduced:
-    not with a cold Inductor cache, nor under glibc's malloc checks with freed memory poisoned. The
-    fixtures that run many cases in one spawn pass ``crash_retries=1``: a rank killed by a signal runs
-    the spawn again, and the warning, with the signal and the rank's Python stack (faulthandler, in the
-    captured output), stays in pytest's summary. A rank that raises or hangs fails at once."""
+    NOTE [crash retries]: rarely, a spawn of the test suite loses a rank to SIGABRT: glibc's "malloc():
+    unaligned tcache chunk detected" while the rank waits in a gloo collective of a compiled backward (its
+    peers then fail, connection reset). Seen in CI once and twice in one local run of the suite (a 2-rank
+    and a 4-rank spawn of FX-graph training), never reproduced: not with a cold Inductor cache, nor under
+    glibc's malloc checks with freed memory poisoned, nor in six reruns of those tests. The fixtures that
+    run many cases in one spawn pass ``crash_retries=1``: a rank killed by a signal runs the spawn again,
+    and the warning, with the signal and the rank's Python stack (faulthandler, in the captured output),
+    stays in pytest's summary. A rank that raises or hangs fails at once."""
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout_s: float,

@@ -93,8 +93,12 @@ def _label(frames: Sequence[dict[str, Any]]) -> str:
             return f"{Path(name).name}:{f.get('line')}: {src[:140]}"
     for f in frames:
         name = f.get("filename", "")
-        if "site-packages/torch/" not in name and name:
+        if "site-packages/torch/" not in name and name.endswith(".py"):
             return f"{Path(name).name}:{f.get('line')}: {f.get('name')}"
+    for f in frames:  # no Python frame: the first C++ function past the allocator (autograd, an ATen op)
+        fn = f.get("name", "")
+        if ("autograd" in fn or "at::native" in fn or "at::_ops" in fn) and "empty" not in fn:
+            return f"C++: {fn[:140]}"
     return (frames[0].get("name", "?") if frames else "?")[:140]
 
 

@@ -38,8 +38,8 @@ class ScheduleTest(ScheduleCase):
 11 compute         addmm relu le  (4 nodes)""")
         # Backward: the gathers again (reshard after forward; unit 0's weight is not needed: its input
         # needs no grad), unit 1 prefetched under unit 2's compute. Each reduce-scatter is issued right
-        # after the unit's last gradient, on its own stream; with the default cap (two buckets) the
-        # first wait is pulled in before the third launch; the rest wait together before the outputs.
+        # after the unit's last gradient, on its own stream; with the default cap (one unit in flight:
+        # NOTE [one unit in flight]) each is waited just before the next unit's pack.
         self.assertExpectedInline(bwd, """\
 0  compute         where  (2 nodes)
 1  pack            unit 2  ag
@@ -55,16 +55,16 @@ class ScheduleTest(ScheduleCase):
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
 13 compute         mm sum  (7 nodes)
-14 pack            unit 1  rs
-15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (6 nodes)
-17 wait            unit 2  rs     reduce_scatter
-18 unpack          unit 2  rs
-19 pack            unit 0  rs
-20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-21 wait            unit 1  rs     reduce_scatter
-22 wait            unit 0  rs     reduce_scatter
-23 unpack          unit 1  rs
+14 wait            unit 2  rs     reduce_scatter
+15 unpack          unit 2  rs
+16 pack            unit 1  rs
+17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+18 compute         le where mm sum  (6 nodes)
+19 wait            unit 1  rs     reduce_scatter
+20 unpack          unit 1  rs
+21 pack            unit 0  rs
+22 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+23 wait            unit 0  rs     reduce_scatter
 24 unpack          unit 0  rs""")
 
     def test_delayed_one_communicator(self) -> None:
@@ -89,11 +89,11 @@ class ScheduleTest(ScheduleCase):
 14 unpack          unit 2  ag+rs
 15 pack            unit 1  ag+rs
 16 reduce_scatter  unit 1  ag+rs  comm            288 B
-17 pack            unit 0  ag+rs
-18 reduce_scatter  unit 0  ag+rs  comm            288 B
-19 wait            unit 1  ag+rs  comm
-20 wait            unit 0  ag+rs  comm
-21 unpack          unit 1  ag+rs
+17 wait            unit 1  ag+rs  comm
+18 unpack          unit 1  ag+rs
+19 pack            unit 0  ag+rs
+20 reduce_scatter  unit 0  ag+rs  comm            288 B
+21 wait            unit 0  ag+rs  comm
 22 unpack          unit 0  ag+rs""")
 
     def test_dedicated_all_gather(self) -> None:
@@ -115,16 +115,16 @@ class ScheduleTest(ScheduleCase):
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
 13 compute         mm sum  (7 nodes)
-14 pack            unit 1  rs
-15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (6 nodes)
-17 wait            unit 2  rs     reduce_scatter
-18 unpack          unit 2  rs
-19 pack            unit 0  rs
-20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-21 wait            unit 1  rs     reduce_scatter
-22 wait            unit 0  rs     reduce_scatter
-23 unpack          unit 1  rs
+14 wait            unit 2  rs     reduce_scatter
+15 unpack          unit 2  rs
+16 pack            unit 1  rs
+17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+18 compute         le where mm sum  (6 nodes)
+19 wait            unit 1  rs     reduce_scatter
+20 unpack          unit 1  rs
+21 pack            unit 0  rs
+22 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+23 wait            unit 0  rs     reduce_scatter
 24 unpack          unit 0  rs""")
 
     def test_prefetch_0(self) -> None:
@@ -158,16 +158,16 @@ class ScheduleTest(ScheduleCase):
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
 13 compute         mm sum  (7 nodes)
-14 pack            unit 1  rs
-15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (6 nodes)
-17 wait            unit 2  rs     reduce_scatter
-18 unpack          unit 2  rs
-19 pack            unit 0  rs
-20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-21 wait            unit 1  rs     reduce_scatter
-22 wait            unit 0  rs     reduce_scatter
-23 unpack          unit 1  rs
+14 wait            unit 2  rs     reduce_scatter
+15 unpack          unit 2  rs
+16 pack            unit 1  rs
+17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+18 compute         le where mm sum  (6 nodes)
+19 wait            unit 1  rs     reduce_scatter
+20 unpack          unit 1  rs
+21 pack            unit 0  rs
+22 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+23 wait            unit 0  rs     reduce_scatter
 24 unpack          unit 0  rs""")
 
     def test_prefetch_2(self) -> None:
@@ -201,16 +201,16 @@ class ScheduleTest(ScheduleCase):
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
 13 compute         mm sum  (7 nodes)
-14 pack            unit 1  rs
-15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (6 nodes)
-17 wait            unit 2  rs     reduce_scatter
-18 unpack          unit 2  rs
-19 pack            unit 0  rs
-20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-21 wait            unit 1  rs     reduce_scatter
-22 wait            unit 0  rs     reduce_scatter
-23 unpack          unit 1  rs
+14 wait            unit 2  rs     reduce_scatter
+15 unpack          unit 2  rs
+16 pack            unit 1  rs
+17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+18 compute         le where mm sum  (6 nodes)
+19 wait            unit 1  rs     reduce_scatter
+20 unpack          unit 1  rs
+21 pack            unit 0  rs
+22 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+23 wait            unit 0  rs     reduce_scatter
 24 unpack          unit 0  rs""")
 
     def test_mixed_precision_casts_before_all_gather(self) -> None:
@@ -249,16 +249,16 @@ class ScheduleTest(ScheduleCase):
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
 13 compute         mm sum  (7 nodes)
-14 pack            unit 1  rs
-15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 compute         le where mm sum  (6 nodes)
-17 wait            unit 2  rs     reduce_scatter
-18 unpack          unit 2  rs
-19 pack            unit 0  rs
-20 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-21 wait            unit 1  rs     reduce_scatter
-22 wait            unit 0  rs     reduce_scatter
-23 unpack          unit 1  rs
+14 wait            unit 2  rs     reduce_scatter
+15 unpack          unit 2  rs
+16 pack            unit 1  rs
+17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+18 compute         le where mm sum  (6 nodes)
+19 wait            unit 1  rs     reduce_scatter
+20 unpack          unit 1  rs
+21 pack            unit 0  rs
+22 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+23 wait            unit 0  rs     reduce_scatter
 24 unpack          unit 0  rs""")
 
     def test_reshard_after_forward_false(self) -> None:
@@ -270,16 +270,16 @@ class ScheduleTest(ScheduleCase):
 1  pack            unit 2  rs
 2  reduce_scatter  unit 2  rs     reduce_scatter  288 B
 3  compute         le where mm sum  (7 nodes)
-4  pack            unit 1  rs
-5  reduce_scatter  unit 1  rs     reduce_scatter  288 B
-6  compute         le where mm sum  (6 nodes)
-7  wait            unit 2  rs     reduce_scatter
-8  unpack          unit 2  rs
-9  pack            unit 0  rs
-10 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-11 wait            unit 1  rs     reduce_scatter
-12 wait            unit 0  rs     reduce_scatter
-13 unpack          unit 1  rs
+4  wait            unit 2  rs     reduce_scatter
+5  unpack          unit 2  rs
+6  pack            unit 1  rs
+7  reduce_scatter  unit 1  rs     reduce_scatter  288 B
+8  compute         le where mm sum  (6 nodes)
+9  wait            unit 1  rs     reduce_scatter
+10 unpack          unit 1  rs
+11 pack            unit 0  rs
+12 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+13 wait            unit 0  rs     reduce_scatter
 14 unpack          unit 0  rs""")
 
     def test_no_sync(self) -> None:

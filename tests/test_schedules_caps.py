@@ -45,7 +45,7 @@ class CapScheduleTest(ScheduleCase):
         # which need no pack or unpack copy (its "pack" and "unpack" are views); a 32 B bias is what is
         # left of its unit's bucket, so it is alone too. Prefetch moves a unit's collectives together: unit 1's two all-gathers are issued
         # before unit 0's compute, as its one bucket was; a unit's reduce-scatters launch as each
-        # gradient is ready, and the cap ("auto": two units' worth) pulls unit 2's waits in first.
+        # gradient is ready, and the cap ("auto": one unit in flight) pulls unit 2's waits in first.
         self.assertExpectedInline(fwd, """\
 0  pack            unit 0  ag
 1  all_gather      unit 0  ag     all_gather      256 B
@@ -95,31 +95,31 @@ class CapScheduleTest(ScheduleCase):
 14 wait            unit 1  ag     all_gather
 15 unpack          unit 1  ag
 16 compute         mm  (5 nodes)
-17 pack            unit 1  rs
-18 reduce_scatter  unit 1  rs     reduce_scatter  256 B
-19 compute         sum  (2 nodes)
-20 pack            unit 1  rs
-21 reduce_scatter  unit 1  rs     reduce_scatter  32 B
-22 compute         le where mm  (4 nodes)
-23 wait            unit 2  rs     reduce_scatter
-24 unpack          unit 2  rs
-25 compute           (2 nodes)
-26 pack            unit 0  rs
-27 reduce_scatter  unit 0  rs     reduce_scatter  256 B
-28 compute         sum  (2 nodes)
-29 wait            unit 2  rs     reduce_scatter
-30 unpack          unit 2  rs
-31 compute           (2 nodes)
-32 pack            unit 0  rs
-33 reduce_scatter  unit 0  rs     reduce_scatter  32 B
-34 wait            unit 1  rs     reduce_scatter
-35 wait            unit 1  rs     reduce_scatter
-36 wait            unit 0  rs     reduce_scatter
-37 wait            unit 0  rs     reduce_scatter
-38 unpack          unit 1  rs
-39 compute           (2 nodes)
-40 unpack          unit 1  rs
-41 compute           (2 nodes)
+17 wait            unit 2  rs     reduce_scatter
+18 wait            unit 2  rs     reduce_scatter
+19 unpack          unit 2  rs
+20 compute           (1 nodes)
+21 unpack          unit 2  rs
+22 compute           (3 nodes)
+23 pack            unit 1  rs
+24 reduce_scatter  unit 1  rs     reduce_scatter  256 B
+25 compute         sum  (2 nodes)
+26 pack            unit 1  rs
+27 reduce_scatter  unit 1  rs     reduce_scatter  32 B
+28 compute         le where mm  (4 nodes)
+29 wait            unit 1  rs     reduce_scatter
+30 wait            unit 1  rs     reduce_scatter
+31 unpack          unit 1  rs
+32 compute           (1 nodes)
+33 unpack          unit 1  rs
+34 compute           (3 nodes)
+35 pack            unit 0  rs
+36 reduce_scatter  unit 0  rs     reduce_scatter  256 B
+37 compute         sum  (2 nodes)
+38 pack            unit 0  rs
+39 reduce_scatter  unit 0  rs     reduce_scatter  32 B
+40 wait            unit 0  rs     reduce_scatter
+41 wait            unit 0  rs     reduce_scatter
 42 unpack          unit 0  rs
 43 compute           (2 nodes)
 44 unpack          unit 0  rs

@@ -105,7 +105,7 @@ class BackendOptions:
     prefetch_bytes: int | None = None
     """Cap on bytes gathered but not yet used (``None``: only ``prefetch`` bounds it)."""
     reduce_scatter_bytes: int | str | None = "auto"
-    """Cap on reduce-scatter input bytes in flight; ``"auto"`` (default) keeps two buckets in flight, or,
+    """Cap on reduce-scatter input bytes in flight; ``"auto"`` (default) keeps one unit's in flight, or,
     when ``hardware`` is named, picks the smallest cap within 0.5% of the best estimated step; ``None``
     lets every wait sink to the end of backward."""
     inductor: bool = True

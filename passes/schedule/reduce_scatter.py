@@ -8,7 +8,9 @@ outputs, all remaining waits together: the one end-of-backward barrier the optim
 
 An unwaited reduce-scatter keeps its input, a full-size gradient bucket, alive. ``max_bytes`` caps the
 input bytes in flight: before a launch that would pass it, the oldest waits are pulled in, just before
-that launch. A single bucket larger than the cap still runs, alone in flight.
+that launch's pack. A single bucket larger than the cap still runs, alone in flight. ``"auto"`` keeps
+one unit's reduce-scatters in flight: they run under the next unit's backward and are waited just
+before that unit's pack (NOTE [one unit in flight]).
 
 HSDP: the all-reduce across replicas that follows a unit's reduce-scatter is launched right after
 that reduce-scatter's wait, which is pulled in before the next reduce-scatter launch (so the
@@ -38,21 +40,23 @@ def reduce_scatter_pass(
 ) -> fx.GraphModule:
     """Place reduce-scatter launches and waits (see module doc).
 
-    ``max_bytes``: the cap on input bytes in flight; ``None`` for no cap; ``"auto"`` for twice the
-    largest unit's reduce-scatter input of this graph (one bucket, or a unit's collectives together:
-    NOTE [large params alone]; a unit's launches may overlap the previous unit's, no more).
+    ``max_bytes``: the cap on input bytes in flight; ``None`` for no cap; ``"auto"`` for one unit's
+    reduce-scatters at a time (one bucket, or a unit's collectives together: NOTE [large params alone]).
+
+    NOTE [one unit in flight]: the reduce-scatters share one communicator, which runs one at a time, so a
+    second unit's bucket waiting behind the first moves no byte sooner; it only stays allocated. Waiting
+    for unit k's reduce-scatter just before unit k-1's pack leaves the link as busy (the pack is the only
+    gap) and holds one bucket, as FSDP2 does (it frees the previous reduce-scatter's input before the
+    next copy-in). A bytes cap of twice the largest unit let a large last unit (embedding and output
+    head) launch with several block buckets still alive, at the end of backward where memory peaks.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"reduce_scatter_pass: schedule must be one of {SCHEDULES}, got {schedule!r}")
     scatters = regions(gm, "reduce_scatter")
     if not scatters:
         return gm
-    if max_bytes == "auto":
-        per_unit: dict[object, int] = {}
-        for r in scatters:
-            per_unit[r.unit] = per_unit.get(r.unit, 0) + r.in_bytes
-        max_bytes = 2 * max(per_unit.values())
-    elif isinstance(max_bytes, str):
+    one_unit = max_bytes == "auto"
+    if isinstance(max_bytes, str) and not one_unit:
         raise ValueError(f"reduce_scatter_pass: max_bytes must be an int, None or 'auto', got {max_bytes!r}")
     index = positions(gm.graph)
     end = float(len(index))
@@ -63,7 +67,12 @@ def reduce_scatter_pass(
     keys: dict[fx.Node, float] = {}
     in_flight: list[Region] = []  # launched, not waited, in launch order
     replicating: list[Region] = []  # HSDP all-reduces launched, not waited
-    cap = float("inf") if max_bytes is None else max_bytes
+    cap = float("inf") if max_bytes is None or one_unit else max_bytes
+
+    def over_cap(r: Region) -> bool:
+        if one_unit:
+            return in_flight[0].unit != r.unit
+        return sum(x.in_bytes for x in in_flight) + r.in_bytes > cap
 
     def retire(r: Region, at: float) -> None:
         _place(keys, [r.wait, *r.epilogue], at)
@@ -82,7 +91,7 @@ def reduce_scatter_pass(
         launch_at += 0.05 * i / len(order)  # launch order = readiness order, however many units
         # Pull in the oldest waits while the cap is passed, and (HSDP) every wait an all-reduce
         # follows, so that all-reduce overlaps the next unit's backward instead of the end.
-        while in_flight and (sum(x.in_bytes for x in in_flight) + r.in_bytes > cap or id(in_flight[0]) in follow_up):
+        while in_flight and (over_cap(r) or id(in_flight[0]) in follow_up):
             retire(in_flight.pop(0), launch_at - 0.25)
         _place(keys, [*r.prologue, r.launch], launch_at)
         in_flight.append(r)

@@ -36,6 +36,8 @@ class VariantRun:
     state_parts: tuple[int, int, int] | None = None  # (params, grads kept between steps, optimizer state)
     resident_bytes: int | None = None  # GPU: allocator bytes the variant's build and first step left behind
     overlap: dict[str, Any] | None = None  # GPU: benchmarks.overlap's median measures of the profiled steps
+    whole_peak_bytes: int | None = None  # GPU: peak over build, first step and timed steps, above the variant's zero
+    left_behind_bytes: int | None = None  # GPU: bytes its timed steps left allocated (NOTE [one process, variants apart])
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class Summary:
     late_graphs: int = 0
     parts_mib: tuple[float, float, float] | None = None
     resident_mib: float | None = None
+    whole_peak_mib: float | None = None
+    left_behind: int = 0
 
 
 def summarize(reports: Sequence[RankReport], opts: BenchOptions) -> list[Summary]:
@@ -89,6 +93,7 @@ def summarize(reports: Sequence[RankReport], opts: BenchOptions) -> list[Summary
         peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
         parts = [r.state_parts for r in runs if r.state_parts is not None]
         resident = [r.resident_bytes for r in runs if r.resident_bytes is not None]
+        whole = [r.whole_peak_bytes for r in runs if r.whole_peak_bytes is not None]
         rows.append(Summary(
             run0.name, None, steps, 1e3 * med, 1e3 * min(steps), 1e3 * max(steps),
             opts.spec.tokens_per_rank * world / med, flops / med / peak if peak else None,
@@ -96,7 +101,8 @@ def summarize(reports: Sequence[RankReport], opts: BenchOptions) -> list[Summary
             max(r.first_step_s for r in runs), statistics.mean(shares) if shares else None,
             max(r.late_graphs for r in runs),
             tuple(max(p[i] for p in parts) / 2**20 for i in range(3)) if parts else None,  # type: ignore[arg-type]
-            max(resident) / 2**20 if resident else None))
+            max(resident) / 2**20 if resident else None, max(whole) / 2**20 if whole else None,
+            max((r.left_behind_bytes or 0 for r in runs), key=abs)))
     return rows
 
 
@@ -119,22 +125,25 @@ def markdown_table(rows: Sequence[Summary], world: int, cuda: bool) -> str:
     base = done[0] if done else None
     ref = next((r for r in done if r.name == "compile"), None) if world == 1 and base and base.name != "compile" else None
     head = ["variant", "median ms", f"vs {base.name if base else '-'}"] + (["vs compile"] if ref else [])
-    head += ["tokens/s", "MFU", "state MiB", "params+grads+opt MiB", "resident MiB", "peak MiB", "cold compile s",
-             "comm wait"]
+    head += ["tokens/s", "MFU", "state MiB", "params+grads+opt MiB", "resident MiB", "whole-run peak MiB",
+             "steady transient MiB", "cold compile s", "comm wait"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ratios = [r.median_ms / x.median_ms if r.reason is None else None for x in (base, ref) if x is not None]
         cells = [r.name, _fmt(r.median_ms, ".1f")] + [_fmt(x, ".2f", suffix="x") for x in ratios]
         parts = "+".join(f"{x:.1f}" for x in r.parts_mib) if r.parts_mib else "–"
         cells += [_fmt(r.tokens_per_s, ",.0f"), _fmt(r.mfu, ".1f", 100, "%"), _fmt(r.state_mib, ".1f"), parts,
-                  _fmt(r.resident_mib, ".0f"), _fmt(r.peak_mib, ".1f"), _fmt(r.cold_s, ".1f"), _fmt(r.comm_share, ".0f", 100, "%")]
+                  _fmt(r.resident_mib, ".0f"), _fmt(r.whole_peak_mib, ".0f"), _fmt(r.peak_mib, ".1f"), _fmt(r.cold_s, ".1f"), _fmt(r.comm_share, ".0f", 100, "%")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"\n* {r.name}: not measured: {r.reason}" for r in rows if r.reason]
+    lines += [f"\n* {r.name}: WARNING: its timed steps left {r.left_behind} bytes allocated: memory figures of the "
+              "variants after it are not sound; measure them in processes of their own" for r in rows if r.left_behind]
     lines += [f"\n* {r.name}: WARNING: {r.late_graphs} graphs compiled during its timed steps (times include "
               "compiling)" for r in rows if r.late_graphs]
     lines.append("\nstate = this rank's params + gradients kept between steps + optimizer state (storages of the "
-                 "tensors, DTensors' local shards); peak = transient: peak above what was allocated before the "
-                 "variant's timed steps, " + (_GPU_NOTE if cuda else _CPU_NOTE))
+                 "tensors, DTensors' local shards); whole-run peak = the variant's peak over its build, first step "
+                 "and timed steps, above what was allocated before its build; steady transient = peak above what "
+                 "was allocated before the variant's timed steps, " + (_GPU_NOTE if cuda else _CPU_NOTE))
     return "\n".join(lines)
 
 

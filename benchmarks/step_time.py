@@ -167,6 +167,7 @@ class _Measured:
     blocked: list[float] = field(default_factory=list)
     peak: int | None = None
     late_graphs: int = 0
+    left_behind: int = 0  # GPU: bytes its timed steps left allocated, the largest over the rounds (should be 0)
 
 
 def _allocated(cuda: bool) -> int:
@@ -193,14 +194,20 @@ def _build_all(names: Sequence[str], opts: BenchOptions, shared: SharedGroups,
 
 
 def _cold_steps(runners: dict[str, Runner], batch: Batch, opts: BenchOptions, reasons: dict[str, str],
-                bar: Any, per_variant: int, resident: dict[str, int]) -> dict[str, float]:
+                bar: Any, per_variant: int, resident: dict[str, int], cold_peak: dict[str, int]) -> dict[str, float]:
     """Each variant's first step (its compile), one variant at a time; a failed variant is dropped. What the
-    step leaves allocated (optimizer state, persistent buffers) is added to ``resident``."""
+    step leaves allocated (optimizer state, persistent buffers) is added to ``resident``; the step's peak
+    above the variant's own zero (what its build left allocated, plus the step's growth) goes to
+    ``cold_peak`` (GPU)."""
     first: dict[str, float] = {}
     for n in list(runners):
         bar.set_description(f"first step {n}")
         before = _allocated(opts.cuda)
+        if opts.cuda:
+            torch.cuda.reset_peak_memory_stats()
         err = _guarded(lambda n=n: first.__setitem__(n, runners[n].timed_step(opts.spec, batch, opts.cuda)[0]))
+        if opts.cuda:
+            cold_peak[n] = resident[n] + torch.cuda.max_memory_allocated() - before
         resident[n] += _allocated(opts.cuda) - before
         if err:
             reasons[n] = err
@@ -210,7 +217,13 @@ def _cold_steps(runners: dict[str, Runner], batch: Batch, opts: BenchOptions, re
 
 
 def _timed_rounds(runners: dict[str, Runner], batch: Batch, opts: BenchOptions, bar: Any) -> dict[str, _Measured]:
-    """Warm-up, then ``rounds`` rounds in which every variant runs ``steps`` timed steps in turn."""
+    """Warm-up, then ``rounds`` rounds in which every variant runs ``steps`` timed steps in turn.
+
+    NOTE [one process, variants apart]: the variants alternate in one process, all of them built, so a
+    step's memory is read relative to what was allocated before it (``max_memory_allocated`` is absolute).
+    That is only sound if no variant's steps leave memory behind, which each round checks: bytes allocated
+    after a variant's steps minus before go to the report, and the table warns where they are not 0
+    (then compare those variants in processes of their own, as ``benchmarks.llama8b`` does)."""
     cuda = opts.cuda
     for n, runner in runners.items():
         bar.set_description(f"warm-up {n}")
@@ -221,7 +234,7 @@ def _timed_rounds(runners: dict[str, Runner], batch: Batch, opts: BenchOptions, 
     for r in range(opts.rounds):
         for n, runner in runners.items():
             bar.set_description(f"round {r + 1}/{opts.rounds} {n}")
-            graphs = _graphs_compiled()
+            graphs, before = _graphs_compiled(), _allocated(cuda)
             with CudaPeak() if cuda else RssSampler() as probe:
                 for _ in range(opts.steps):
                     wall, blk = runner.timed_step(opts.spec, batch, cuda)
@@ -229,6 +242,8 @@ def _timed_rounds(runners: dict[str, Runner], batch: Batch, opts: BenchOptions, 
                     out[n].blocked.append(blk)
                     bar.update()
             out[n].late_graphs += _graphs_compiled() - graphs
+            left = _allocated(cuda) - before  # NOTE [one process, variants apart]
+            out[n].left_behind = max(out[n].left_behind, left, key=abs)
             if probe.growth is not None:
                 out[n].peak = max(out[n].peak or 0, probe.growth)
     return out
@@ -271,7 +286,8 @@ def run_rank(rank: int, world: int, opts: BenchOptions) -> list[RankReport] | No
     runners = _build_all(opts.variants, opts, shared, reasons, resident)
     per_variant = 1 + opts.warmup + opts.rounds * opts.steps + (opts.profile_steps + 1) * cuda
     bar = tqdm(total=len(runners) * per_variant, disable=rank != 0, unit="step", desc="step_time")
-    first = _cold_steps(runners, batch, opts, reasons, bar, per_variant, resident)
+    cold_peak: dict[str, int] = {}
+    first = _cold_steps(runners, batch, opts, reasons, bar, per_variant, resident, cold_peak)
     measured = _timed_rounds(runners, batch, opts, bar)
     overlaps: dict[str, dict[str, Any]] = {}
     comm = _comm_shares(runners, measured, batch, opts, bar, overlaps)
@@ -281,7 +297,9 @@ def run_rank(rank: int, world: int, opts: BenchOptions) -> list[RankReport] | No
         VariantRun(n, first_step_s=first[n], step_s=tuple(measured[n].times), blocked=tuple(measured[n].blocked),
                    peak_bytes=measured[n].peak, state_bytes=runners[n].state_bytes(), comm_share=comm[n],
                    late_graphs=measured[n].late_graphs, state_parts=runners[n].state_parts(),
-                   resident_bytes=resident[n] if cuda else None, overlap=overlaps.get(n))
+                   resident_bytes=resident[n] if cuda else None, overlap=overlaps.get(n),
+                   whole_peak_bytes=max(cold_peak[n], resident[n] + (measured[n].peak or 0)) if cuda else None,
+                   left_behind_bytes=measured[n].left_behind if cuda else None)
         for n in opts.variants)
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
     report = RankReport(rank, world, _device_name(device), socket.gethostname(), torch.__version__, nccl,

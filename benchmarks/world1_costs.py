@@ -150,7 +150,9 @@ def measure(names: Sequence[str], preset: str, out: Path, snapshot_of: Sequence[
     shared = SharedGroups(device, 1)
     batch = make_batch(spec, seed=1, device=device)
     results: dict[str, Any] = {}
-    for name in names:
+    for name in names:  # one after the other in one process: each must leave nothing allocated
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
         reason = unavailable_reason(name, 1, device)
         if reason:
             results[name] = {"reason": reason}
@@ -175,6 +177,10 @@ def measure(names: Sequence[str], preset: str, out: Path, snapshot_of: Sequence[
         finally:
             runner = None  # type: ignore[assignment]
             torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            left = torch.cuda.memory_allocated() - start
+            if name in results and left:  # then the next variants' figures are not sound
+                results[name]["left_behind_bytes"] = left
     shared.destroy()
     return results
 
@@ -193,6 +199,9 @@ def print_tables(results: dict[str, Any]) -> None:
         print(f"| {name} | " + " | ".join(cells) + f" | {k['cpu_step_ms']:.1f} | {r['memory']['peak_above_start_mib']:.0f} |"
               f" losses {['%.6g' % x for x in r['losses']]}")
     for name, r in results.items():
+        if r.get("left_behind_bytes"):
+            print(f"\nWARNING: {name} left {r['left_behind_bytes']} bytes allocated once freed: measure the "
+                  "variants after it in processes of their own")
         if "memory" in r:
             print(f"\n{name}: alive at the peak ({r['memory']['peak_above_start_mib']:.0f} MiB above the step's start)")
             for row in r["memory"]["live_at_peak"][:12]:

@@ -155,6 +155,7 @@ def test_dump_dir_writes_each_graph(groups: object, tmp_path: Path) -> None:
     assert any(n.startswith("backward_") and n.endswith(".rank0.json") for n in names), names
     text = next(p for p in tmp_path.iterdir() if p.name.startswith("backward_") and p.suffix == ".txt").read_text()
     assert "reduce_scatter" in text and "estimated on h200" in text and " rs " in text
+    assert " rep " not in text, text  # a 1-D mesh: compute rows have no group
 
 
 def test_auto_prefetch_follows_the_cost_model(groups: object) -> None:

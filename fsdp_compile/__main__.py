@@ -16,15 +16,20 @@ from fsdp_compile.inspect.explain import explain
 from fsdp_compile.examples.models import PRESETS
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser: ``demo`` and ``explain``, each with its flags."""
+    p = argparse.ArgumentParser(
         prog="python -m fsdp_compile",
         description="fsdp-compile: FSDP as a torch.compile backend. 'demo' trains a small transformer; 'explain' "
                     "shows a model's schedule and predicts its step time, no GPU needed.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True)
     demo.add_arguments(sub.add_parser("demo", help="train a small transformer on 2 CPU ranks (or GPUs)"))
     _explain_arguments(sub.add_parser("explain", help="show and predict a model's schedule, no GPU needed"))
-    ns = parser.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
     if ns.command == "demo":
         return demo.main(ns)
     if ns.command == "explain":

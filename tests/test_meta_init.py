@@ -86,11 +86,11 @@ def test_every_nn_init_function_at_three_ranks() -> None:
 _FIXES = ("differ across ranks", "torch.manual_seed", "meta device", "broadcast_from_rank0=True")
 # What each rank's error says first: where its unit sits in the model, then what differs, in words.
 _SAID = {
-    "seeds": ["fully_shard of 'blocks.0' (Block): the parameter values differ across ranks (rank 0 vs rank 1: "
+    "seeds": ["fully_shard of module 'blocks.0' (Block): the parameter values differ across ranks (rank 0 vs rank 1: "
               "same sizes, different values)"] * 2,
     # the first three blocks agree; then rank 0 shards the root, rank 1 its fourth block
     "depth": [f"fully_shard of {where}: the parameter sizes differ across ranks (elements in this unit: 740 on rank 0, "
-              "661 on rank 1)" for where in ("the model's root (Net)", "'blocks.3' (Block)")],
+              "661 on rank 1)" for where in ("the model's root (Net)", "module 'blocks.3' (Block)")],
     "one unit, seeds": ["fully_shard of the model's root (Net): the parameter values differ across ranks (rank 0 vs "
                         "rank 1: same sizes, different values)"] * 2,
 }

@@ -194,7 +194,7 @@ def _what_differs(every: Sequence[Tensor], group: dist.ProcessGroup) -> str:
 
 def _path_in_model(module: nn.Module) -> str:
     """``module``'s name in the outermost module that holds it, as ``named_modules`` spells it
-    (``'layers.3'``), or ``the model's root``. A module does not know its parent: this searches the
+    (``module 'layers.3'``), or ``the model's root``. A module does not know its parent: this searches the
     live modules (``gc``, a fraction of a second), for this error message only."""
     parents: dict[int, tuple[nn.Module, str]] = {}
     for obj in gc.get_objects():
@@ -209,4 +209,4 @@ def _path_in_model(module: nn.Module) -> str:
             break
         seen.add(id(child))
         names.append(name)
-    return repr(".".join(reversed(names))) if names else "the model's root"
+    return f"module {'.'.join(reversed(names))!r}" if names else "the model's root"

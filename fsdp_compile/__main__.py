@@ -1,9 +1,11 @@
-"""``python -m fsdp_compile demo`` (and, as they land, ``explain`` and ``bench``)."""
+"""The command line: ``python -m fsdp_compile demo`` and ``python -m fsdp_compile explain``."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,12 +16,20 @@ from fsdp_compile.inspect.explain import explain
 from fsdp_compile.examples.models import PRESETS
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_compile", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser: ``demo`` and ``explain``, each with its flags."""
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp_compile",
+        description="fsdp-compile: FSDP as a torch.compile backend. 'demo' trains a small transformer; 'explain' "
+                    "shows a model's schedule and predicts its step time, no GPU needed.")
+    sub = p.add_subparsers(dest="command", required=True)
     demo.add_arguments(sub.add_parser("demo", help="train a small transformer on 2 CPU ranks (or GPUs)"))
     _explain_arguments(sub.add_parser("explain", help="show and predict a model's schedule, no GPU needed"))
-    ns = parser.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
     if ns.command == "demo":
         return demo.main(ns)
     if ns.command == "explain":
@@ -47,10 +57,13 @@ def _explain_arguments(p: argparse.ArgumentParser) -> None:
                    help="the optimizer step added to the estimate (torch.optim's default implementation)")
     p.add_argument("--trace-layers", type=int, default=4,
                    help="blocks traced (totals extended to the full depth); 0 traces all")
-    p.add_argument("--out", default="out/explain", help="directory for tables, trace.json, timeline.png")
+    p.add_argument("--out", default=None,
+                   help=f"directory for the tables, trace.json, summary.json and timeline.png (default: {_OUT}, "
+                        f"or {_OUT}-2, -3... when it holds files already; a directory given here is overwritten)")
     p.add_argument("--print-tables", action="store_true", help="also print each graph's table")
 
 
+_OUT = "out/explain"
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
 
 
@@ -84,7 +97,7 @@ def _explain(ns: argparse.Namespace) -> int:
         seq=ns.seq, dtype=torch.bfloat16 if ns.dtype == "bf16" else torch.float32, dedicated=ns.dedicated,
         optimizer=None if ns.optimizer == "none" else ns.optimizer, schedule=ns.schedule, prefetch=ns.prefetch,
         prefetch_bytes=ns.prefetch_bytes, reduce_scatter_bytes=ns.reduce_scatter_bytes,
-        trace_layers=ns.trace_layers or None, out_dir=ns.out,
+        trace_layers=ns.trace_layers or None, out_dir=ns.out if ns.out is not None else _fresh_dir(Path(_OUT)),
     )
     if ns.print_tables:
         for kind, text in result.tables.items():
@@ -94,21 +107,31 @@ def _explain(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _fresh_dir(path: Path) -> Path:
+    """``path`` if it is missing or empty, else the first of ``path-2``, ``path-3``... that is: a default
+    output directory never overwrites an earlier run."""
+    candidates = itertools.chain([path], (path.with_name(f"{path.name}-{i}") for i in itertools.count(2)))
+    return next(p for p in candidates if not p.exists() or not any(p.iterdir()))
+
+
 def summary_text(s: dict[str, Any], ns: argparse.Namespace) -> str:
     """The lines ``explain`` prints: the estimated step, what it is made of, peaks in flight."""
     lines = [
         f"{ns.model} at {ns.world_size} ranks on {s['hardware']} ({ns.dedicated} dedicated, {ns.schedule} schedule, "
         f"prefetch {ns.prefetch}):",
-        f"  estimated step     {s['step_ms']:.2f} ms: compute {s['compute_ms'] - s['optimizer_ms']:.2f} ms, "
-        f"{s['optimizer'] or 'no'} optimizer step {s['optimizer_ms']:.2f} ms, exposed comm {s['exposed_comm_ms']:.2f} ms",
+        f"  estimated step     {s['step_ms']:.2f} ms = compute {s['compute_ms']:.2f} ms "
+        + (f"(the {s['optimizer']} optimizer step's {s['optimizer_ms']:.2f} ms included) " if s["optimizer"] else
+           "(no optimizer step) ")
+        + f"+ exposed comm {s['exposed_comm_ms']:.2f} ms",
         f"  exposed comm       {s['exposed_comm_pct']:.1f}% of the step",
     ]
     for kind, b in s["peak_bytes_in_flight"].items():
         lines.append(f"  peak {kind:<16}{b / 2**20:.1f} MiB in flight")
-    if "extrapolated_from_layers" in s:
-        lines.append(f"  traced {s['extrapolated_from_layers'][1]} and {s['extrapolated_from_layers'][0]} of "
-                     f"{s['layers']} identical blocks; the totals above are extended linearly to {s['layers']}, "
-                     "the tables and picture show the traced blocks")
+    if "extrapolated_from_layers" in s:  # NOTE [periodic blocks] in explain.py
+        fewer, traced = s["extrapolated_from_layers"]
+        lines.append(f"  depth              the model's {s['layers']} blocks are identical: copies of {fewer} and "
+                     f"{traced} blocks were traced, and the figures above add their difference per block up to "
+                     f"{s['layers']}; the tables and picture show the {traced}-block copy (--trace-layers 0 traces all)")
     return "\n".join(lines)
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "select_decomp_table",
     "serializable",
     "store_connection",
+    "structured_trace_on",
     "timed",
     "traced_for",
 ]
@@ -373,6 +374,14 @@ def trace_structured_artifact(name: str, payload_fn: Callable[[], str]) -> None:
         metadata_fn=lambda: {"name": name, "encoding": "string"},
         payload_fn=payload_fn,
     )
+
+
+def structured_trace_on() -> bool:
+    """Whether this process writes torch's structured trace (``TORCH_TRACE=<dir>``, what tlparse reads):
+    the trace log's file handler has a directory (it adds itself lazily, and opens no file without one)."""
+    handler = getattr(_logging_internal, "LOG_TRACE_HANDLER", None)
+    return (handler is not None and handler in _logging_internal.trace_log.handlers
+            and getattr(handler, "root_dir", None) is not None)
 
 
 def is_compiled_module(obj: object) -> bool:

@@ -255,14 +255,14 @@ def disagreeing(rank: int, world: int, blocks: int = 0) -> dict[str, Any]:
         out["error"] = str(e)
     torch.manual_seed(0)
     params = list(Net().parameters())
-    check_built_alike("Net", [], groups)  # warm
+    check_built_alike(model, "Net", [], groups)  # warm
     start = time.perf_counter()
     for _ in range(10):
         local_sums(params)
     out["sums_s"] = (time.perf_counter() - start) / 10
     start = time.perf_counter()
     for _ in range(10):
-        check_built_alike("Net", [], groups)  # the one all-reduce
+        check_built_alike(model, "Net", [], groups)  # the one all-reduce
     out["collective_s"] = (time.perf_counter() - start) / 10
     groups.destroy()
     return out

@@ -139,10 +139,25 @@ def test_cli_takes_the_backend_options(tmp_path: Path, capsys: pytest.CaptureFix
     assert cli(["explain", "--model", "tiny", "--world-size", "4", "--prefetch", "auto", "--prefetch-bytes", "1M",
                 "--reduce-scatter-bytes", "none", "--optimizer", "sgd", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "prefetch auto" in out and "sgd optimizer step" in out and "exposed comm" in out
+    assert "prefetch auto" in out and "the sgd optimizer step's" in out and "exposed comm" in out
     with pytest.raises(SystemExit):
         cli(["explain", "--prefetch", "deep"])
     assert "give a number of units" in capsys.readouterr().err
+
+
+def test_cli_prints_the_summary_and_never_overwrites_its_default_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The console's figures are summary.json's (compute includes the optimizer step, as there); with no
+    --out, a second run writes beside the first, not over it."""
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert cli(["explain", "--model", "demo", "--world-size", "4", "--trace-layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["explain", "explain-2"]
+    s = json.loads((tmp_path / "out" / "explain-2" / "summary.json").read_text())
+    assert (f"estimated step     {s['step_ms']:.2f} ms = compute {s['compute_ms']:.2f} ms (the adamw optimizer "
+            f"step's {s['optimizer_ms']:.2f} ms included) + exposed comm {s['exposed_comm_ms']:.2f} ms") in out
+    assert "the model's 4 blocks are identical: copies of 1 and 2 blocks were traced" in out
 
 
 def test_dump_dir_writes_each_graph(groups: object, tmp_path: Path) -> None:
@@ -155,6 +170,7 @@ def test_dump_dir_writes_each_graph(groups: object, tmp_path: Path) -> None:
     assert any(n.startswith("backward_") and n.endswith(".rank0.json") for n in names), names
     text = next(p for p in tmp_path.iterdir() if p.name.startswith("backward_") and p.suffix == ".txt").read_text()
     assert "reduce_scatter" in text and "estimated on h200" in text and " rs " in text
+    assert " rep " not in text, text  # a 1-D mesh: compute rows have no group
 
 
 def test_auto_prefetch_follows_the_cost_model(groups: object) -> None:

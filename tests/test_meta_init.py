@@ -83,7 +83,17 @@ def test_every_nn_init_function_at_three_ranks() -> None:
             _same(r[name], ref.state_dict(), f"nn.init.{name}, rank {rank}")
 
 
-_FIXES = ("differs across ranks", "torch.manual_seed", "meta device", "broadcast_from_rank0=True")
+_FIXES = ("differ across ranks", "torch.manual_seed", "meta device", "broadcast_from_rank0=True")
+# What each rank's error says first: where its unit sits in the model, then what differs, in words.
+_SAID = {
+    "seeds": ["fully_shard of module 'blocks.0' (Block): the parameter values differ across ranks (rank 0 vs rank 1: "
+              "same sizes, different values)"] * 2,
+    # the first three blocks agree; then rank 0 shards the root, rank 1 its fourth block
+    "depth": [f"fully_shard of {where}: the parameter sizes differ across ranks (elements in this unit: 740 on rank 0, "
+              "661 on rank 1)" for where in ("the model's root (Net)", "module 'blocks.3' (Block)")],
+    "one unit, seeds": ["fully_shard of the model's root (Net): the parameter values differ across ranks (rank 0 vs "
+                        "rank 1: same sizes, different values)"] * 2,
+}
 
 
 @pytest.mark.parametrize("blocks", [0, 1], ids=["seeds", "depth"])
@@ -91,8 +101,9 @@ def test_ranks_built_differently_are_refused_and_the_check_is_cheap(blocks: int)
     """Different seeds, or one block more on rank 1: each fully_shard call compares its unit, and every rank
     raises at the same call (no hang)."""
     results = run_ranks(disagreeing, 2, blocks, timeout=300)
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["error"] is not None, "ranks that built different models were sharded without a word"
+        assert r["error"].startswith(_SAID["depth" if blocks else "seeds"][rank]), r["error"]
         for fix in _FIXES:
             assert fix in r["error"]
         assert r["sums_s"] + r["collective_s"] < 0.05
@@ -107,6 +118,8 @@ def test_a_model_sharded_as_one_unit_is_checked_too() -> None:
         for case in ("seeds", "meta_depth"):
             assert r[case] is not None, f"rank {rank}, {case}: ranks that built different models were sharded"
             assert all(fix in r[case] for fix in _FIXES), (case, r[case])
+        assert r["seeds"].startswith(_SAID["one unit, seeds"][rank]), r["seeds"]
+        assert "the parameter sizes differ across ranks" in r["meta_depth"], r["meta_depth"]
         assert r["alike"] is None, r["alike"]
 
 

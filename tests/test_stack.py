@@ -426,12 +426,14 @@ def test_a_warm_start_loads_the_stack_and_a_different_block_compiles_again() -> 
         assert _cached_step(groups, CFG.with_(norm_eps=1e-3)) == {"miss": 1, "saved": 1}
 
 
-def test_the_demo_trains_the_same_with_its_blocks_stacked() -> None:
-    """``python -m fsdp_compile demo --stack``: 2 gloo ranks, Inductor, the same losses as the outlined demo."""
+def test_the_demo_trains_the_same_with_its_blocks_stacked(capfd: pytest.CaptureFixture[str]) -> None:
+    """``python -m fsdp_compile demo --stack``: 2 gloo ranks, Inductor, the same losses as the outlined demo.
+    Rank 0 alone prints the step lines (the last step's, here)."""
     from fsdp_compile.examples.demo import DemoArgs, train
     from fsdp_compile.examples.launch import run_ranks
 
     args = DemoArgs(preset="tiny", steps=3, batch=2, seq=16)
     outlined = run_ranks(train, 2, args, timeout=600)[0]
+    assert capfd.readouterr().out.count("step   2  loss") == 1
     stacked = run_ranks(train, 2, dataclasses.replace(args, stack=True), timeout=600)[0]
     torch.testing.assert_close(torch.tensor(stacked), torch.tensor(outlined), rtol=1e-5, atol=0)

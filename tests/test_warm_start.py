@@ -12,7 +12,12 @@ process start of 2 ranks loads its own rank's graphs and trains exactly as the r
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,12 +25,15 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile._compat import structured_trace_on
+from fsdp_compile.compile import backend
 from fsdp_compile.compile.backend import observe_graphs
 from fsdp_compile.examples.models import Transformer, loss_fn
 
 from .graph_utils import SMALL, fake_process_group, shard_blocks_then_root
 
 
+ROOT = Path(__file__).resolve().parents[1]
 _groups: list[FsdpGroups] = []
 
 
@@ -70,8 +78,8 @@ def test_other_options_or_another_rank_compile_again() -> None:
             assert _train_step() == {"miss": 1, "saved": 1}
 
 
-def test_asking_to_see_each_compile_bypasses_the_cache(tmp_path: Any) -> None:
-    """Observed graphs, schedule dumps and pass diffs come from a real compile, every time."""
+def test_asking_to_see_each_compile_bypasses_the_cache(tmp_path: Any, monkeypatch: Any) -> None:
+    """Observed graphs, schedule dumps, pass diffs and tlparse's trace come from a real compile, every time."""
     with fresh_cache(), _fresh_world():
         assert _train_step() == {"miss": 1, "saved": 1}
         with observe_graphs() as seen:
@@ -80,4 +88,18 @@ def test_asking_to_see_each_compile_bypasses_the_cache(tmp_path: Any) -> None:
         assert _train_step(dump_dir=tmp_path) == {}
         assert any(tmp_path.iterdir())
         assert _train_step(log_pass_diffs=True) == {}
+        with monkeypatch.context() as m:
+            m.setattr(backend, "structured_trace_on", lambda: True)  # TORCH_TRACE=<dir> (the test below)
+            assert _train_step() == {}
         assert _train_step() == {"hit": 1}
+
+
+def test_torch_trace_is_noticed() -> None:
+    """``TORCH_TRACE=<dir>``: this process writes the structured trace that tlparse reads; without it, not."""
+    if not {"TORCH_TRACE", "TORCH_COMPILE_DEBUG"} & set(os.environ):
+        assert not structured_trace_on()
+    code = "import torch; from fsdp_compile._compat import structured_trace_on; print(structured_trace_on())"
+    with tempfile.TemporaryDirectory() as trace_dir:
+        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCH_TRACE": trace_dir},
+                              capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "True"

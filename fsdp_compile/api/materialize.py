@@ -30,11 +30,13 @@ model. Non-persistent buffers are in no checkpoint: the init method fills them.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from fsdp_compile.api.grads import ShardGrad, as_shard_grad
 from fsdp_compile.api.groups import FsdpGroups
@@ -105,9 +107,11 @@ def rebind_params(unit: Unit) -> bool:
 # call knows whether it is the last: a block's looks like a model's of one unit (only the root
 # ``fully_shard(model)``), and a model's blocks would otherwise wait for a root call that may never come.
 # All ranks get the same reduced values, so they raise at the same call, and ranks that built different
-# numbers of blocks are caught where their calls first pair different units instead of hanging. Of meta
-# tensors (meta-device init: the values come later, the same on every rank through the init or a rank-0
-# broadcast) only the element count is compared. Groups of one rank compare nothing. The cost: one small
+# numbers of blocks are caught where their calls first pair different units instead of hanging. Only
+# then do they gather each rank's sums, so that the error says in words which ranks differ, in sizes or
+# in values, and where the unit sits in the model. Of meta tensors (meta-device init: the values come
+# later, the same on every rank through the init or a rank-0 broadcast) only the element count is
+# compared. Groups of one rank compare nothing. The cost: one small
 # all-reduce per ``fully_shard`` call (tests/test_meta_init.py measures one).
 _TOLERANCE = 1e-9  # relative: float64 sums of the same values; only the reduction order may differ
 
@@ -128,9 +132,10 @@ def local_sums(params: Sequence[Tensor]) -> Tensor | None:
                             for p in real] + [meta_count]).sum(0)
 
 
-def check_built_alike(unit_name: str, units: Sequence[Unit], groups: FsdpGroups) -> None:
+def check_built_alike(module: nn.Module, unit_name: str, units: Sequence[Unit], groups: FsdpGroups) -> None:
     """NOTE [ranks built alike]: compare the checksums of ``units`` not compared yet across the ranks of
-    ``groups`` (every rank must call this at the same point); raise a ``ValueError`` naming the fixes."""
+    ``groups`` (every rank must call this at the same point, from ``fully_shard(module)``, whose class is
+    ``unit_name``); raise a ``ValueError`` that says where and what differs, and names the fixes."""
     pending = [u.built_sums for u in units if u.built_sums is not None]
     for u in units:
         u.built_sums = None
@@ -147,14 +152,61 @@ def check_built_alike(unit_name: str, units: Sequence[Unit], groups: FsdpGroups)
             both = both.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         high, low = both[:3], -both[3:]
-        if bool(((high - low).abs() > _TOLERANCE * (1 + high.abs())).any()):
+        if bool(_differ(high, low).any()):
+            # Every rank of the group saw the same maxima, so all of them gather here (the error path only).
+            mine = sums.to(both.device)
+            every = [torch.empty_like(mine) for _ in range(group.size())]
+            dist.all_gather(every, mine, group=group)
             raise ValueError(
-                f"fully_shard({unit_name}): the checksum of the model's parameter values differs across ranks "
-                f"(from {low[0].item():.6g} to {high[0].item():.6g}, {low[2].item():.0f} to {high[2].item():.0f} "
-                "elements), so each rank would keep its rows of a different model. Build it the same on every "
-                "rank: call torch.manual_seed(seed) with one seed on every rank before building the model; or "
-                "build it on the meta device (with torch.device('meta'): ...), fully_shard, "
-                "model.to_empty(device=...), then run its init under a common seed; or, to load weights rank 0 "
-                "holds, build on the meta device and load with fsdp_compile.set_model_state_dict(model, sd, "
+                f"fully_shard of {_path_in_model(module)} ({unit_name}): {_what_differs(every, group)}, so each "
+                "rank would keep its rows of a different model. Build it the same on every rank: call "
+                "torch.manual_seed(seed) with one seed on every rank before building the model; or build it on "
+                "the meta device (with torch.device('meta'): ...), fully_shard, model.to_empty(device=...), then "
+                "run its init under a common seed; or, to load the same checkpoint on every rank, build on the "
+                "meta device and load it from rank 0 with fsdp_compile.set_model_state_dict(model, sd, "
                 "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))."
             )
+
+
+def _differ(a: Tensor, b: Tensor) -> Tensor:
+    """Which of two checksums (sum, 2-norm, element count) differ beyond float64 reduction order."""
+    return (a - b).abs() > _TOLERANCE * (1 + torch.maximum(a.abs(), b.abs()))
+
+
+def _what_differs(every: Sequence[Tensor], group: dist.ProcessGroup) -> str:
+    """In words: which ranks (global numbers) built what, from each rank's checksum (``every``, in group order)."""
+    ranks = dist.get_process_group_ranks(group)
+    sizes = [int(s[2].item()) for s in every]
+    if len(set(sizes)) > 1:
+        built = ", ".join(f"{n:,} on rank {r}" for r, n in zip(ranks, sizes))
+        return (f"the parameter sizes differ across ranks (elements in this unit: {built}): the ranks built "
+                "different models (another depth or width), or called fully_shard on different modules")
+    classes: list[list[int]] = []  # ranks whose checksums agree
+    for i, s in enumerate(every):
+        same = next((c for c in classes if not bool(_differ(every[c[0]], s).any())), None)
+        if same is None:
+            classes.append([i])
+        else:
+            same.append(i)
+    alike = " vs ".join(("rank " if len(c) == 1 else "ranks ") + ", ".join(str(ranks[i]) for i in c) for c in classes)
+    return f"the parameter values differ across ranks ({alike}: same sizes, different values)"
+
+
+def _path_in_model(module: nn.Module) -> str:
+    """``module``'s name in the outermost module that holds it, as ``named_modules`` spells it
+    (``module 'layers.3'``), or ``the model's root``. A module does not know its parent: this searches the
+    live modules (``gc``, a fraction of a second), for this error message only."""
+    parents: dict[int, tuple[nn.Module, str]] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), nn.Module):
+            for name, child in obj.__dict__.get("_modules", {}).items():
+                if child is not None and not isinstance(obj, ParametrizationList):
+                    parents.setdefault(id(child), (obj, name))
+    names, seen, child = [], {id(module)}, module
+    while id(child) in parents:
+        child, name = parents[id(child)]
+        if id(child) in seen:
+            break
+        seen.add(id(child))
+        names.append(name)
+    return f"module {'.'.join(reversed(names))!r}" if names else "the model's root"

@@ -196,7 +196,7 @@ def fully_shard(
             if block not in _units:
                 fully_shard(block, groups=groups, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                             outline=outline, flat=flat)
-        check_built_alike(unit_name, units_under(module), groups)  # NOTE [ranks built alike]
+        check_built_alike(module, unit_name, units_under(module), groups)  # NOTE [ranks built alike]
         return module
     _check_order(module, unit_name)
     stack = stack_of(module)
@@ -260,7 +260,7 @@ def fully_shard(
         add_sharded_block(stack, module, unit)
     flatten_unit(unit, module, flat)
     _register_unit(module, unit, mp_policy)
-    check_built_alike(unit_name, units_under(module), groups)  # NOTE [ranks built alike]
+    check_built_alike(module, unit_name, units_under(module), groups)  # NOTE [ranks built alike]
     return module
 
 

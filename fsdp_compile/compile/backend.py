@@ -72,6 +72,7 @@ from fsdp_compile._compat import (
     restarts_the_trace,
     select_decomp_table,
     serializable,
+    structured_trace_on,
     timed,
 )
 from fsdp_compile.inspect.autotune import Choice
@@ -317,7 +318,8 @@ def make_backend(**options: Any) -> Any:
     sharded with.
     With Inductor's caches on (torch's default), a later process start loads what this backend compiled
     instead of compiling again (NOTE [warm start] in ``cache.py``); ``dump_dir``, ``log_pass_diffs``,
-    ``observe_graphs`` and ``TORCH_LOGS=fsdp_schedule`` compile afresh, so that they show the schedule.
+    ``observe_graphs``, ``TORCH_LOGS=fsdp_schedule`` and ``TORCH_TRACE`` (tlparse) compile afresh, so that
+    they show the schedule.
     """
     known = [f.name for f in fields(BackendOptions)]
     unknown = sorted(set(options) - set(known))
@@ -400,8 +402,9 @@ def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | No
 
 def _cacheable(options: BackendOptions) -> bool:
     """Whether AOTAutograd's cache may serve this compile (NOTE [warm start] in ``cache.py``): not
-    where the user asked to see each compile's schedule."""
-    shown = options.dump_dir is not None or options.log_pass_diffs or _observers or schedule_logged()
+    where the user asked to see each compile's schedule (a dump, the log, tlparse's trace)."""
+    shown = (options.dump_dir is not None or options.log_pass_diffs or _observers or schedule_logged()
+             or structured_trace_on())
     return options.inductor and not shown
 
 

@@ -114,7 +114,7 @@ def train(rank: int, world: int, args: DemoArgs) -> list[float]:
     for i in bar:
         step()
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        if i % 10 == 0 or i == args.steps - 1:
+        if rank == 0 and (i % 10 == 0 or i == args.steps - 1):  # (write prints whether or not the bar shows)
             bar.write(f"step {i:3d}  loss {losses[-1]:.4f}")
     bar.close()
     if rank == 0:

@@ -191,11 +191,12 @@ def graph_group_labels(gm: fx.GraphModule) -> dict[str, str]:
         if not is_collective(n):
             continue
         meta = fsdp_meta(n)
+        # (a 1-D mesh has no replicate group: its name is "", which compute rows' group is too)
         ag, rs, rep = meta.get("ag_group"), meta.get("rs_group"), meta.get("replicate_group")
-        if ag is not None:
+        if ag:
             labels[str(ag)] = "ag+rs" if ag == rs else "ag"
-        if rs is not None and rs != ag:
+        if rs and rs != ag:
             labels[str(rs)] = "rs"
-        if rep is not None and rep not in (ag, rs):
+        if rep and rep not in (ag, rs):
             labels[str(rep)] = "rep"
     return labels

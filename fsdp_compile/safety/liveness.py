@@ -16,7 +16,7 @@ __all__ = ["NS", "STALE_S", "STUCK_S", "Liveness", "entering", "hear", "heard", 
 NS = "fsdp_compile/"
 _NS = NS
 STALE_S = 10.0  # a heartbeat this old means the rank is gone
-STUCK_S = 10.0  # a peer inside one graph call this long, while this rank waits in a check, is blocked
+STUCK_S = 20.0  # a peer inside one graph call this long, while this rank waits in a check, is blocked
 _inside: dict | None = None  # the graph call this process is inside (what the heartbeat tells)
 
 # NOTE [heard failures]: a rank blocked inside a graph call learns of a peer's failure only when the

@@ -14,7 +14,9 @@ something else, and so ends, much later, with the wrong diagnosis. Hence:
 - The heartbeat also says which compiled graph call the rank is inside, if any (:func:`entering`). A
   peer seen inside one graph call, whose collectives need this rank, for ``STUCK_S`` while this rank
   waits in a check (so issues no collective) is blocked in a collective this rank will not join: they
-  diverged too, and the wait raises then, not at the process group's timeout.
+  diverged too, and the wait raises then, not at the process group's timeout. ``STUCK_S`` leaves room
+  for a peer that finishes the work after its graph's last collective slowly (a first call that tunes
+  kernels), since from here a collective cannot be told from computation.
 - If the store's host (rank 0, or torchrun's agent) is gone, store calls fail: that is reported too.
 
 What this does to the process, and for how long (the only process-wide effects of ``FsdpGroups``): the

@@ -38,6 +38,9 @@ def test_saves_without_a_crash_keep_the_newest(tmp_path: Path) -> None:
     latest = latest_checkpoint(tmp_path)
     assert latest is not None and latest.endswith("step-000000003")
     assert latest_checkpoint(tmp_path / "nothing-yet") is None
+    for step in (4, 5):
+        save_checkpoint({"x": torch.zeros(3)}, tmp_path, step, keep=5)  # fewer than keep: none is deleted
+    assert len(list(tmp_path.glob("step-*"))) == 4
 
 
 def test_step_directories_without_a_pointer_are_refused(tmp_path: Path) -> None:

@@ -110,7 +110,7 @@ def _prune(root: Path, step: int, keep: int) -> None:
     ``step`` (saves that crashed)."""
     older = sorted((s, p) for s, p in _step_dirs(root).items() if s < step)
     complete = [s for s, p in older if (p / ".metadata").exists()]
-    kept = set(complete[len(complete) - (keep - 1):]) if keep > 1 else set()
+    kept = set(complete[max(0, len(complete) - (keep - 1)):]) if keep > 1 else set()
     for s, p in older:
         if s not in kept:
             shutil.rmtree(p, ignore_errors=True)

@@ -11,6 +11,7 @@ from fsdp_compile.api.checkpoint import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from fsdp_compile.api.checkpoint_dirs import latest_checkpoint, save_checkpoint
 from fsdp_compile.api.groups import Dedicated, FsdpGroups
 from fsdp_compile.api.module import FsdpModule
 from fsdp_compile.api.grads import ShardGrad
@@ -29,8 +30,10 @@ __all__ = [
     "get_full_model_state_dict",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "latest_checkpoint",
     "local_shard",
     "make_backend",
+    "save_checkpoint",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_requires_gradient_sync",

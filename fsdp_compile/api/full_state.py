@@ -16,6 +16,7 @@ this ``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``.
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -28,7 +29,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp_compile.api.state_layout import Entry, few, gather_full, layout, row_range
 
-__all__ = ["broadcast_full_state_dict", "full_state_dict"]
+__all__ = ["broadcast_full_state_dict", "full_state_dict", "raise_on_every_rank"]
 
 
 def full_state_dict(entries: list[Entry], order: list[tuple[str, Entry]], rank0_only: bool,
@@ -67,15 +68,37 @@ def _plan(entries: list[Entry], known: set[str], state_dict: Mapping[str, Any]) 
     return plan, missing, unexpected, ""
 
 
-def broadcast_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> _IncompatibleKeys:
+def raise_on_every_rank(error: BaseException | None, what: str) -> None:
+    """Collective: raise on every rank when rank 0's ``error`` is not ``None`` (the others pass ``None``),
+    the same exception type where it is a builtin one (else ``RuntimeError``), saying ``what`` rank 0 did;
+    a rank 0 failure must not leave the others in a collective it never joins."""
+    box: list[Any] = [None if error is None else (type(error).__name__, str(error))]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return
+    name, text = box[0]
+    kind = getattr(builtins, name, None)
+    kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
+    message = text if text.startswith(what.split(":")[0]) else f"{what}: rank 0 failed: {name}: {text}"
+    raise kind(message) from error
+
+
+def broadcast_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool, *,
+                              caller: str = "") -> _IncompatibleKeys:
     """NOTE [rank-0 broadcast]: load the full ``state_dict`` that global rank 0 holds (the others pass
-    ``{}``) into ``model``'s shards; collective over the default group."""
-    caller = "set_model_state_dict(broadcast_from_rank0=True)"
+    ``{}``) into ``model``'s shards; collective over the default group. Every error, found on any rank,
+    is raised on every rank."""
+    caller = caller or "set_model_state_dict(broadcast_from_rank0=True)"
     entries, order = layout(model, caller)
     rank = dist.get_rank()
-    if rank != 0 and len(state_dict):
-        raise ValueError(f"{caller}: rank {rank} was given {len(state_dict)} entries; only rank 0 reads the "
-                         "checkpoint, every other rank passes {} (what it holds would be overwritten anyway).")
+    # A rank other than 0 given entries: every rank learns it, not that rank alone (one small all-gather).
+    given: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(given, len(state_dict) if rank != 0 else 0)
+    ranks = [r for r, n in enumerate(given) if n]
+    if ranks:
+        raise ValueError(f"{caller}: rank(s) {ranks} were given {[given[r] for r in ranks]} entries; only rank 0 "
+                         "reads the checkpoint, every other rank passes {} (what it holds would be overwritten "
+                         "anyway).")
     header: list[Any] = [None]
     if rank == 0:
         header[0] = _plan(entries, {name for name, _ in order}, state_dict)

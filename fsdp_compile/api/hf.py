@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from fsdp_compile.api.checkpoint import get_model_state_dict, set_model_state_dict
+from fsdp_compile.api.checkpoint import get_model_state_dict
+from fsdp_compile.api.full_state import broadcast_full_state_dict, raise_on_every_rank
 
 __all__ = ["init_buffers", "load_pretrained", "save_pretrained"]
 
@@ -60,6 +61,10 @@ def _read(path: Path) -> dict[str, Tensor]:
         return load_file(str(path / _WEIGHTS))
     if (path / _INDEX).exists():
         files = sorted(set(json.loads((path / _INDEX).read_text())["weight_map"].values()))
+        for name in files:
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"load_pretrained: {path / _INDEX} names the shard {name!r}, which lies outside "
+                                 f"{path}; an index may only name files in its own directory.")
         state: dict[str, Tensor] = {}
         for name in files:
             state.update(load_file(str(path / name)))
@@ -73,9 +78,15 @@ def load_pretrained(model: nn.Module, path: str | Path, *, strict: bool = True) 
     safetensors, every rank keeps its rows; the non-persistent buffers are recomputed first
     (:func:`init_buffers`). Call it on every rank."""
     init_buffers(model)
-    state = _read(Path(path)) if dist.get_rank() == 0 else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-    return set_model_state_dict(model, state, options=options)
+    state: dict[str, Tensor] = {}
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            state = _read(Path(path))
+        except Exception as e:  # every rank raises it, not rank 0 alone (the others would wait for it)
+            error = e
+    raise_on_every_rank(error, f"load_pretrained: reading {path}")
+    return broadcast_full_state_dict(model, state, strict, caller="load_pretrained")
 
 
 def _distinct(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -96,12 +107,16 @@ def save_pretrained(model: nn.Module, path: str | Path, **config_kw: Any) -> Non
     Every rank gathers each parameter in turn; rank 0 alone holds the full state dict (on the CPU) and
     writes. ``config_kw`` goes to ``config.save_pretrained``."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error: Exception | None = None
     if dist.get_rank() == 0:
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        model.config.save_pretrained(out, **config_kw)
-        generation = getattr(model, "generation_config", None)
-        if generation is not None:
-            generation.save_pretrained(out)
-        save_file(_distinct(state), str(out / _WEIGHTS), metadata={"format": "pt"})
-    dist.barrier()
+        try:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            model.config.save_pretrained(out, **config_kw)
+            generation = getattr(model, "generation_config", None)
+            if generation is not None:
+                generation.save_pretrained(out)
+            save_file(_distinct(state), str(out / _WEIGHTS), metadata={"format": "pt"})
+        except Exception as e:  # every rank raises it, not rank 0 alone (the others wait here)
+            error = e
+    raise_on_every_rank(error, f"save_pretrained: writing {path}")  # the barrier: rank 0 has written

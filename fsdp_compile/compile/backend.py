@@ -125,8 +125,9 @@ class BackendOptions:
     check_agreement: bool = True
     """Before a compiled graph runs, compare its collective sequence with every peer rank's and raise on a
     difference (NOTE [agreement]), and notice ranks that run different sequences of compiled graphs
-    (NOTE [lockstep]); a peer that failed or is gone is named within seconds, one that is alive but
-    never comes after ``agreement_timeout_s``."""
+    (NOTE [lockstep]); a peer that failed or is gone is named within seconds, one blocked inside a graph
+    call that needs this rank after ``peers.STUCK_S``, one that is alive elsewhere after
+    ``agreement_timeout_s``."""
     agreement_timeout_s: float | None = None
     """Seconds to wait for a live peer in the agreement check (``None``: the process group's timeout)."""
     dump_dir: str | os.PathLike[str] | None = None

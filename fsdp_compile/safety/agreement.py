@@ -11,8 +11,9 @@ which its peers already posted, so it goes on at once, even when they never reco
 
 The wait is :func:`peers.wait_for` (NOTE [peers]): when two ranks each wait for a graph the other never
 compiled, both raise ``RuntimeError`` at once, naming the first differing collective on each; a peer
-that failed or is gone is named within seconds; a peer that is alive but never compiles the graph (a
-forward run on some ranks only) is named at the process group's timeout. The cost is one small store
+that failed or is gone is named within seconds; a peer blocked inside a graph call that needs this
+rank (a forward run on some ranks only) after ``peers.STUCK_S``; a peer that is alive, in no graph, and
+never compiles the graph, at the process group's timeout (or ``agreement_timeout_s``). The cost is one small store
 exchange per compiled graph; ``make_backend(check_agreement=False)`` switches it off.
 """
 
@@ -63,6 +64,12 @@ class GraphIdentity:
     collectives: tuple[str, ...]
     groups: tuple[tuple[int, ...], ...]  # the ranks of each group the graph's collectives use
     timeout_s: float  # how long to wait for peers (the groups' timeout unless set)
+    timeout_set: bool = False  # timeout_s is agreement_timeout_s, not the groups' timeout
+
+    @property
+    def timeout_name(self) -> str:
+        """Where ``timeout_s`` comes from, for messages."""
+        return "agreement_timeout_s" if self.timeout_set else "the process group's timeout"
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -77,13 +84,14 @@ class GraphIdentity:
     def to_json(self) -> str:
         """The identity as text (it travels inside the compiled graph: NOTE [lockstep])."""
         return json.dumps({"kind": self.kind, "collectives": list(self.collectives),
-                           "groups": [list(g) for g in self.groups], "timeout_s": self.timeout_s})
+                           "groups": [list(g) for g in self.groups], "timeout_s": self.timeout_s,
+                           "timeout_set": self.timeout_set})
 
     @classmethod
     def from_json(cls, text: str) -> GraphIdentity:
         d = json.loads(text)
         return cls(kind=d["kind"], collectives=tuple(d["collectives"]), groups=tuple(tuple(g) for g in d["groups"]),
-                   timeout_s=float(d["timeout_s"]))
+                   timeout_s=float(d["timeout_s"]), timeout_set=bool(d.get("timeout_set", False)))
 
     def describe(self) -> str:
         launches = sum(1 for c in self.collectives if not c.startswith("wait("))
@@ -105,7 +113,7 @@ def identify(gm: fx.GraphModule, kind: str, timeout_s: float | None = None) -> G
     if all(len(g) <= 1 for g in groups):
         return None
     return GraphIdentity(kind=kind, collectives=tuple(fingerprint(gm)), groups=tuple(sorted(groups)),
-                         timeout_s=timeout_s if timeout_s is not None else max(timeouts))
+                         timeout_s=timeout_s if timeout_s is not None else max(timeouts), timeout_set=timeout_s is not None)
 
 
 # Keys every peer has posted, per default process group (a recompile with the same collectives need
@@ -133,7 +141,7 @@ def check_agreement(graph: GraphIdentity) -> None:
     if key in agreed:
         return
     waiting = _peers_mod.Waiting(key=key, what=what, groups=graph.groups)
-    _peers_mod.wait_for(waiting, value, timeout_s=graph.timeout_s, diverged=diverged)
+    _peers_mod.wait_for(waiting, value, timeout_s=graph.timeout_s, diverged=diverged, timeout_name=graph.timeout_name)
     agreed.add(key)
 
 

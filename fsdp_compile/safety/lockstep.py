@@ -65,6 +65,7 @@ def _before_call(graph: GraphIdentity) -> None:
     prev, seq.last = seq.last, graph
     seq.calls += 1
     call = seq.calls
+    peers.entering(call, graph.describe(), graph.peers)  # until the outermost wrapper returns: _noting
     transition = (prev.key if prev is not None else None, graph.key)
     entering_eval = graph.kind == "inference" and (prev is None or prev.kind != "inference")
     if transition in seq.seen and not entering_eval:
@@ -88,7 +89,7 @@ def _check_in(seq: _Sequence, graph: GraphIdentity, prev: GraphIdentity | None, 
 
     key = f"lockstep/{seq.check_ins}/{step}"
     peers.wait_for(peers.Waiting(key=key, what=what, groups=graph.groups), what, timeout_s=graph.timeout_s,
-                   diverged=diverged)
+                   diverged=diverged, timeout_name=graph.timeout_name)
 
 
 _ADVICE = peers.DIVERGED_ADVICE
@@ -132,8 +133,9 @@ def _failure_note(error: BaseException, graph: GraphIdentity) -> str:
     peers.note_failure(f"{peers.COLLECTIVE_FAILED} {graph.describe()} ({type(error).__name__}: {first})")
     doing = peers.describe_all(graph.peers)
     cause = (f"A peer waits for a graph this rank did not run. {_ADVICE}" if "waiting for its peers" in doing
+             else "A peer found that the ranks diverged (its words above)." if _ADVICE in doing
              else "A peer that failed or is gone is the cause: look at its output.")
-    return f"fsdp_compile: a collective of {graph.describe()} failed on rank {me}. Its peers: {doing}. {cause}"
+    return f"fsdp_compile: a collective of {graph.describe()} failed on rank {me}. Its peers: {doing.rstrip('.')}. {cause}"
 
 
 _COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "pair closure", "socket",
@@ -219,6 +221,7 @@ def _noting(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
+        _depth[0] += 1
         try:
             return fn(*args)
         except Exception as e:
@@ -226,5 +229,12 @@ def _noting(fn: Callable[..., Any]) -> Callable[..., Any]:
             if replacement is not None:
                 raise replacement from e
             raise
+        finally:
+            _depth[0] -= 1
+            if _depth[0] == 0:
+                peers.leaving()
 
     return run
+
+
+_depth = [0]  # how many of our wrappers of compiled graphs this process is inside (nested, or a backward)

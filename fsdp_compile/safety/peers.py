@@ -11,6 +11,12 @@ something else, and so ends, much later, with the wrong diagnosis. Hence:
   ``exited/<rank>``): from ``sys.excepthook``, at exit, from ``launch.run_ranks`` and from our own checks.
 - A rank that waits publishes what it waits for (``waiting/<rank>``: a key and a description). If a peer
   it waits for is itself waiting for a key this rank never posted, neither can go on: they diverged.
+- The heartbeat also says which compiled graph call the rank is inside, if any (:func:`entering`). A
+  peer seen inside one graph call, whose collectives need this rank, for ``STUCK_S`` while this rank
+  waits in a check (so issues no collective) is blocked in a collective this rank will not join: they
+  diverged too, and the wait raises then, not at the process group's timeout. ``STUCK_S`` leaves room
+  for a peer that finishes the work after its graph's last collective slowly (a first call that tunes
+  kernels), since from here a collective cannot be told from computation.
 - If the store's host (rank 0, or torchrun's agent) is gone, store calls fail: that is reported too.
 
 What this does to the process, and for how long (the only process-wide effects of ``FsdpGroups``): the
@@ -22,8 +28,9 @@ process group is destroyed). The previous ``sys.excepthook`` is put back then, u
 replaced ours meanwhile; ours then only passes exceptions on.
 
 So :func:`wait_for` returns once every peer has posted, or raises :class:`PeerError` naming the rank and
-what happened: within seconds when a peer is gone or diverged, at the process group's timeout when a
-peer is alive but never comes. While all goes well a waiting rank polls one arrival counter per group,
+what happened: within seconds when a peer is gone or diverged (``STUCK_S`` and a heartbeat when it is
+blocked inside a graph), at the process group's timeout (or ``agreement_timeout_s``) when a peer is
+alive, in no graph, and never comes. While all goes well a waiting rank polls one arrival counter per group,
 so the cost does not grow with the number of peers; the heartbeat is one small store write per rank per
 second.
 """
@@ -44,18 +51,18 @@ from typing import Generic, TypeVar
 import torch.distributed as dist
 
 from fsdp_compile._compat import default_store, store_connection
+from fsdp_compile.safety.liveness import NS as _NS
+from fsdp_compile.safety.liveness import STALE_S, STUCK_S, Liveness, entering, hear, heard, inside_now, inside_of, leaving
 
 __all__ = [
-    "COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "PerProcessGroup", "PeerError", "Waiting", "describe",
-    "describe_all", "group_id", "note_failure", "release", "start", "wait_for",
+    "COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "STUCK_S", "PerProcessGroup", "PeerError", "Waiting",
+    "describe", "describe_all", "entering", "group_id", "leaving", "note_failure", "release", "start", "wait_for",
 ]
 
 HEARTBEAT_S = 1.0
-STALE_S = 10.0  # a heartbeat this old means the rank is gone
 QUIET_S = 1.0  # waiting this long, look at each missing peer (then every LOOK_S)
 LOOK_S = 1.0
 LINGER_S = 10.0
-_NS = "fsdp_compile/"
 T = TypeVar("T")
 # A failure note that starts so says the rank was running collectives that its peers did not join.
 COLLECTIVE_FAILED = "a collective failed in"
@@ -139,12 +146,17 @@ def release() -> None:
 
 
 def _beat(beat: _Heartbeat, conn: dist.Store) -> None:
-    n = 0
+    n, last_call = 0, None  # the graph call this process was inside at the last beat
     while not beat.stop.is_set():
         if beat.world() is None or not dist.is_initialized():  # its process group is destroyed: so is its store
             return
         try:
-            conn.set(f"{_NS}alive/{beat.rank}", str(n))
+            inside = inside_now()
+            conn.set(f"{_NS}alive/{beat.rank}", json.dumps({"n": n, "inside": inside}))
+            call = inside["call"] if inside is not None else None
+            if call is not None and call == last_call and conn.check([f"{_NS}failed/any"]):
+                hear(conn, beat.rank)  # NOTE [heard failures]
+            last_call = call
         except RuntimeError as e:  # the store's host is gone
             beat.lost = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             return
@@ -193,6 +205,8 @@ def _note(kind: str, text: str) -> None:
         return
     try:
         _store().set(f"{_NS}{kind}/{_heartbeat.rank}", text)
+        if kind == "failed":
+            _store().set(f"{_NS}failed/any", f"{_heartbeat.rank}|{text}")
     except RuntimeError:
         pass  # the store is gone too: peers notice the silence
 
@@ -206,6 +220,7 @@ def note_failure(text: str) -> None:
 
 
 _failures: list[str] = []
+
 
 
 @dataclass(frozen=True)
@@ -224,36 +239,6 @@ class Waiting:
 def group_id(ranks: tuple[int, ...]) -> str:
     """A short name for a set of ranks, equal on every member."""
     return hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
-
-
-class _Liveness:
-    """Watches peers' heartbeats while one wait lasts."""
-
-    def __init__(self, store: dist.Store, start: float) -> None:
-        self.store = store
-        self.start = start
-        self.seen: dict[int, tuple[bytes, float]] = {}
-
-    def why_gone(self, rank: int) -> str | None:
-        s = self.store
-        if s.check([f"{_NS}failed/{rank}"]):
-            return f"failed ({s.get(f'{_NS}failed/{rank}').decode()})"
-        if s.check([f"{_NS}exited/{rank}"]):
-            return "exited"
-        now = time.monotonic()
-        if not s.check([f"{_NS}alive/{rank}"]):
-            if now - self.start > STALE_S:
-                return (f"showed no sign of life for {now - self.start:.0f} s (no heartbeat: it failed or "
-                        "exited before FsdpGroups.create(), or runs other code)")
-            return None
-        value = s.get(f"{_NS}alive/{rank}")
-        last = self.seen.get(rank)
-        if last is None or last[0] != value:
-            self.seen[rank] = (value, now)
-            return None
-        if now - last[1] > STALE_S:
-            return f"stopped: no heartbeat for {now - last[1]:.0f} s (it raised, exited or was killed)"
-        return None
 
 
 def _waiting_of(store: dist.Store, rank: int) -> Waiting | None:
@@ -282,13 +267,16 @@ def wait_for(
     *,
     timeout_s: float,
     diverged: Callable[[int, Waiting, str | None], str],
+    timeout_name: str = "the process group's timeout",
 ) -> None:
     """Post ``value`` under ``waiting.key`` for this rank; return once every member of every group of
     ``waiting`` has posted under that key too.
 
     Raises :class:`PeerError` when a peer failed or is gone, when the store is gone, after ``timeout_s``
-    when a peer is alive but has not posted, and when a peer waits for a key this rank never posted:
-    then the message is ``diverged(rank, what it waits for, the value it posted there)``.
+    when a peer is alive but has not posted (``timeout_name`` says where that time comes from), after
+    ``STUCK_S`` when a peer is blocked inside a graph call that needs this rank, and when a peer waits for
+    a key this rank never posted: then the message is ``diverged(rank, what it waits for, the value it
+    posted there)``.
     Scales with the number of ranks: while all goes well, a rank polls one counter per group; the
     per-peer look (who is missing, gone or waiting for what) starts after ``QUIET_S`` of waiting.
     """
@@ -304,7 +292,7 @@ def wait_for(
         store.set(f"{_NS}waiting/{me}", json.dumps({"key": waiting.key, "what": waiting.what,
                                                     "groups": [list(g) for g in waiting.groups]}))
         try:
-            _wait(store, mine, me, waiting, timeout_s, diverged)
+            _wait(store, mine, me, waiting, timeout_s, diverged, timeout_name)
         finally:
             store.set(f"{_NS}waiting/{me}", "")
     except PeerError as e:
@@ -315,9 +303,9 @@ def wait_for(
 
 
 def _wait(store: dist.Store, groups: list[tuple[int, ...]], me: int, waiting: Waiting, timeout_s: float,
-          diverged: Callable[[int, Waiting, str | None], str]) -> None:
+          diverged: Callable[[int, Waiting, str | None], str], timeout_name: str) -> None:
     start = time.monotonic()
-    live = _Liveness(store, start)
+    live = Liveness(store, start)
     counters = [(f"{_NS}{waiting.key}/arrived/{group_id(g)}", len(g)) for g in groups]
     pause, next_look = 0.002, start + QUIET_S
     while True:
@@ -327,14 +315,14 @@ def _wait(store: dist.Store, groups: list[tuple[int, ...]], me: int, waiting: Wa
             raise RuntimeError(_heartbeat.lost)
         now = time.monotonic()
         if now >= next_look:
-            _look_at_peers(store, me, waiting, live, timeout_s, diverged)
+            _look_at_peers(store, me, waiting, live, timeout_s, diverged, timeout_name)
             next_look = now + LOOK_S
         time.sleep(pause)
         pause = min(pause * 1.5, 0.25)
 
 
-def _look_at_peers(store: dist.Store, me: int, waiting: Waiting, live: _Liveness, timeout_s: float,
-                   diverged: Callable[[int, Waiting, str | None], str]) -> None:
+def _look_at_peers(store: dist.Store, me: int, waiting: Waiting, live: Liveness, timeout_s: float,
+                   diverged: Callable[[int, Waiting, str | None], str], timeout_name: str) -> None:
     """Who has not posted, and why: gone, waiting for something else (diverged), or too slow."""
     missing = [p for p in waiting.peers if p != me and not store.check([f"{_NS}{waiting.key}/{p}"])]
     for p in missing:
@@ -352,11 +340,23 @@ def _look_at_peers(store: dist.Store, me: int, waiting: Waiting, live: _Liveness
             their_value = store.get(f"{_NS}{theirs.key}/{p}").decode() if store.check(
                 [f"{_NS}{theirs.key}/{p}"]) else None
             raise PeerError(diverged(p, theirs, their_value))
+        stuck = live.stuck(p, me) if theirs is None else None
+        if stuck is not None:
+            message = (
+                f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} has been inside "
+                f"{stuck}: blocked in a collective that needs this rank, which will not join it. "
+                f"{DIVERGED_ADVICE}"
+            )
+            note_failure(message)
+            end = time.monotonic() + LINGER_S  # until the peer heard it (NOTE [heard failures])
+            while time.monotonic() < end and not store.check([f"{_NS}heard/{p}"]):
+                time.sleep(0.1)
+            raise PeerError(message)
     waited = time.monotonic() - live.start
     if missing and waited > timeout_s:
         doing = "; ".join(f"rank {p}: {describe(p)}" for p in missing)
         message = (
-            f"fsdp_compile: rank {me} waited {waited:.0f} s (the process group's timeout) for ranks "
+            f"fsdp_compile: rank {me} waited {waited:.0f} s ({timeout_name}) for ranks "
             f"{missing} to {waiting.what}; they are alive but did not ({doing}). {DIVERGED_ADVICE}"
         )
         note_failure(message)
@@ -364,7 +364,7 @@ def _look_at_peers(store: dist.Store, me: int, waiting: Waiting, live: _Liveness
         raise PeerError(message)
 
 
-def _linger(store: dist.Store, absent: list[int], live: _Liveness) -> None:
+def _linger(store: dist.Store, absent: list[int], live: Liveness) -> None:
     """Before a rank that timed out raises (and its process, maybe the store's host, exits), give the
     absent peers up to ``LINGER_S`` to fail on their own, typically in a collective that timed out
     too, and read this rank's note: their errors then say why, not only that rank 0 is gone."""
@@ -385,8 +385,13 @@ def describe(rank: int) -> str:
         theirs = _waiting_of(store, rank)
         if theirs is not None:
             return f"waiting for its peers to {theirs.what}"
+        inside = inside_of(store.get(f"{_NS}alive/{rank}")) if store.check([f"{_NS}alive/{rank}"]) else None
+        if inside is not None:
+            return f"inside graph call #{inside['call']}, {inside['what']}"
         return "running (not in an fsdp_compile check)"
     except RuntimeError as e:
+        if rank in heard:
+            return f"failed: {heard[rank]}"
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return f"unknown: the store is unreachable ({first}), so rank 0 is most likely gone"
 

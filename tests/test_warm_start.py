@@ -12,7 +12,9 @@ process start of 2 ranks loads its own rank's graphs and trains exactly as the r
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile.compile import cache
 from fsdp_compile.compile.backend import observe_graphs
 from fsdp_compile.examples.models import Transformer, loss_fn
 
@@ -81,3 +84,21 @@ def test_asking_to_see_each_compile_bypasses_the_cache(tmp_path: Any) -> None:
         assert any(tmp_path.iterdir())
         assert _train_step(log_pass_diffs=True) == {}
         assert _train_step() == {"hit": 1}
+
+
+def test_the_key_covers_every_source_file_and_the_version(tmp_path: Any) -> None:
+    """A pass in a sub-package of ``passes`` and a file of ``fsdp_compile/api`` are our code too: an edit
+    to either, or another version, compiles again (on copies of the installed packages)."""
+    roots = cache.installed_roots()
+    assert [root.name for root in roots] == ["fsdp_compile", "passes"]
+    copies = [Path(shutil.copytree(root, tmp_path / root.name, ignore=shutil.ignore_patterns("__pycache__")))
+              for root in roots]
+    before = cache.digest_sources(copies, "0.1.0")
+    assert before == cache.digest_sources(roots, "0.1.0")  # what the installed packages digest to
+    digests = {before}
+    for edited in (tmp_path / "passes/schedule/prefetch.py", tmp_path / "fsdp_compile/api/stack.py"):
+        edited.write_text(edited.read_text() + "\n# edited\n")
+        digests.add(cache.digest_sources(copies, "0.1.0"))
+    digests.add(cache.digest_sources(copies, "0.2.0"))
+    assert len(digests) == 4
+    assert cache.source_digest() == cache.digest_sources(roots, cache.installed_version())

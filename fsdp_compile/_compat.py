@@ -37,6 +37,7 @@ __all__ = [
     "compile_fx_inner",
     "compile_time_metrics",
     "default_store",
+    "donate_no_saved_tensors",
     "forward_user_outputs",
     "group_timeout_s",
     "getArtifactLogger",
@@ -291,6 +292,29 @@ def forward_user_outputs() -> range | None:
         return None
     start = meta.num_mutated_inp_runtime_indices
     return range(start, start + meta.num_outputs)
+
+
+def donate_no_saved_tensors() -> None:
+    """From a forward compiler: the backward that AOTAutograd compiles with this forward donates none of
+    its saved tensors (nothing to do outside a compile).
+
+    NOTE [no donated buffers]: AOTAutograd marks the saved tensors that alias no input or output as
+    *donated* (``bw_donated_idxs``), so that Inductor may write backward results into them, and then
+    refuses ``backward(retain_graph=True)`` wherever the backward was compiled before that call: by an
+    earlier plain ``backward()``, or loaded from AOTAutograd's cache after a run that trained normally (a
+    warm start), on every capture path; plain ``torch.compile`` refuses those too. Only a backward first
+    compiled at a ``retain_graph=True`` call donates nothing (AOTAutograd empties the list then). So
+    that a graph may be kept at any step, nothing is donated: the list is emptied here, as AOTAutograd
+    does, on the metadata that both the backward's compile and the runtime check read (the tracing
+    context's, which is the runtime's where no tensor subclass is traced), and the cache entry saves
+    it empty. Inductor still frees each saved tensor after its last use; what is lost is writing a
+    backward result into one in place (for an outlined model, only outside its bodies, which never
+    reuse their inputs: NOTE [donated subgraph inputs]).
+    """
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is not None:
+        meta.bw_donated_idxs = []
 
 
 def traced_for() -> Any:

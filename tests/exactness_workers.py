@@ -18,12 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
 
 from fsdp_compile import FsdpGroups, fully_shard, get_full_model_state_dict, make_backend
 from fsdp_compile.compile.backend import observe_graphs
 from fsdp_compile.examples.models import Transformer, loss_fn
 
-from .workers import TINY
+from .workers import TINY, stacked_llama
 
 WIDTH = 8
 TABLE: dict[nn.Module, float] = {}  # a module-level table keyed by the block
@@ -214,16 +216,50 @@ def _grad_error(model: nn.Module, reference: nn.Module) -> float:
     return max(_relative(full[name], p.grad) for name, p in reference.named_parameters())
 
 
-def backward_twice(rank: int, world: int, inductor: bool) -> float:
-    """``loss.backward(retain_graph=True); loss.backward()``: gradients accumulate twice, as eagerly."""
-    reference, model = _llama()
-    compiled = torch.compile(_shard(model, FsdpGroups.create()), backend=make_backend(inductor=inductor))
+# Capture paths of a model of two blocks: name -> (the model, whether its blocks are units, backend options).
+CAPTURE_PATHS: dict[str, tuple[Callable[[Any], nn.Module], bool, dict[str, Any]]] = {
+    "outlined": (Transformer, True, {}),  # one body for both blocks (NOTE [outlined units])
+    "inline": (Transformer, True, {"outline": False}),
+    "stacked": (stacked_llama, True, {}),  # one BlockStack (NOTE [stacked blocks])
+    "whole-graph": (Transformer, False, {}),  # the root is the only unit
+    "outlined-fx": (Transformer, True, {"inductor": False}),
+}
+
+
+def backward_twice(rank: int, world: int, paths: list[str]) -> dict[str, dict[str, Any]]:
+    """``loss.backward(retain_graph=True); loss.backward()`` on each capture path of ``CAPTURE_PATHS``,
+    after a plain ``backward()`` compiled the backward, and again after a warm start (Dynamo reset, the
+    graphs loaded from AOTAutograd's cache: NOTE [no donated buffers]): gradients accumulate five
+    times, as eagerly. By path: the largest relative gradient difference, AOTAutograd's cache counters."""
+    groups = FsdpGroups.create()
     tokens = torch.randint(0, TINY.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
-    for run in (compiled, reference):
-        loss = loss_fn(run(tokens), tokens)
-        loss.backward(retain_graph=True)
-        loss.backward()
-    return _grad_error(model, reference)
+    out = {}
+    for path in paths:
+        build, blocks, backend_kw = CAPTURE_PATHS[path]
+        torch._dynamo.reset()
+        counters["aot_autograd"].clear()
+        torch.manual_seed(0)
+        reference = build(TINY)
+        model = copy.deepcopy(reference)
+        for block in model.layers if blocks else ():
+            fully_shard(block, groups=groups)
+        fully_shard(model, groups=groups)
+        with fresh_cache():
+            for retain, warm_start in ((False, False), (True, False), (True, True)):
+                if warm_start:
+                    torch._dynamo.reset()
+                if warm_start or not retain:
+                    compiled = torch.compile(model, backend=make_backend(**backend_kw))
+                for run in (compiled, reference):
+                    loss = loss_fn(run(tokens), tokens)
+                    if retain:
+                        loss.backward(retain_graph=True)
+                    loss.backward()
+        out[path] = {"error": _grad_error(model, reference),
+                     "cache": {k.removeprefix("autograd_cache_"): int(v) for k, v in counters["aot_autograd"].items()
+                               if k.startswith("autograd_cache_")}}
+    dist.barrier()
+    return out
 
 
 def lengths_per_rank(rank: int, world: int, inductor: bool) -> float:

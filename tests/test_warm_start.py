@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from torch._inductor.utils import fresh_cache
 
 from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile._compat import structured_trace_on
-from fsdp_compile.compile import backend
+from fsdp_compile.compile import backend, cache
 from fsdp_compile.compile.backend import observe_graphs
 from fsdp_compile.examples.models import Transformer, loss_fn
 
@@ -103,3 +104,21 @@ def test_torch_trace_is_noticed() -> None:
         done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCH_TRACE": trace_dir},
                               capture_output=True, text=True, check=True, cwd=ROOT)
     assert done.stdout.strip() == "True"
+
+
+def test_the_key_covers_every_source_file_and_the_version(tmp_path: Any) -> None:
+    """A pass in a sub-package of ``passes`` and a file of ``fsdp_compile/api`` are our code too: an edit
+    to either, or another version, compiles again (on copies of the installed packages)."""
+    roots = cache.installed_roots()
+    assert [root.name for root in roots] == ["fsdp_compile", "passes"]
+    copies = [Path(shutil.copytree(root, tmp_path / root.name, ignore=shutil.ignore_patterns("__pycache__")))
+              for root in roots]
+    before = cache.digest_sources(copies, "0.1.0")
+    assert before == cache.digest_sources(roots, "0.1.0")  # what the installed packages digest to
+    digests = {before}
+    for edited in (tmp_path / "passes/schedule/prefetch.py", tmp_path / "fsdp_compile/api/stack.py"):
+        edited.write_text(edited.read_text() + "\n# edited\n")
+        digests.add(cache.digest_sources(copies, "0.1.0"))
+    digests.add(cache.digest_sources(copies, "0.2.0"))
+    assert len(digests) == 4
+    assert cache.source_digest() == cache.digest_sources(roots, cache.installed_version())

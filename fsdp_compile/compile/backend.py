@@ -61,6 +61,7 @@ from fsdp_compile.safety import lockstep
 from fsdp_compile._compat import (
     aot_autograd,
     compile_fx_inner,
+    donate_no_saved_tensors,
     forward_user_outputs,
     inductor_config_patch,
     inductor_pre_grad_passes,
@@ -265,6 +266,8 @@ def _compile_graph(
     is_backward: bool,
     is_inference: bool,
 ) -> Callable[..., Any]:
+    if not is_backward and not is_inference:
+        donate_no_saved_tensors()  # NOTE [no donated buffers]: backward(retain_graph=True) at any step
     # NOTE [compile-time keys]: each stage of ours adds to torch.compile's timing table under an
     # ``fsdp.*`` key (benchmarks/compile_stages.py reads them beside Dynamo's, AOTAutograd's, Inductor's).
     with timed("fsdp.passes"):

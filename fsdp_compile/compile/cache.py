@@ -11,7 +11,8 @@ compiled graphs depending on
 - the backend's options and cost model (prefetch depth, bucket caps, the schedule...),
 - each group's size and this process's rank in it (the in-place all-gather writes its rank's slice),
   and its timeout (how long the check-in inside the graph waits for peers),
-- fsdp-compile's own code,
+- fsdp-compile's own code: every source file of the packages ``fsdp_compile`` and ``passes`` as
+  imported (recursively), and the installed version,
 
 so :func:`cache_key` digests those, and the backend sets it on the Dynamo graph as an attribute, which
 AOTAutograd's key covers (it pickles the graph module's attributes). A loaded graph runs none of our
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -38,23 +40,45 @@ from passes.predicates import ReduceGradArgs, UnshardArgs, is_reduce_grad, is_un
 
 from fsdp_compile._compat import group_timeout_s, resolve_group
 
-__all__ = ["ATTRIBUTE", "cache_key", "source_digest"]
+__all__ = ["ATTRIBUTE", "cache_key", "digest_sources", "installed_roots", "installed_version", "source_digest"]
 
 # The Dynamo graph's attribute that carries :func:`cache_key` into AOTAutograd's key.
 ATTRIBUTE = "fsdp_compile_cache_key"
 
-_PACKAGES = (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent / "passes")
+
+def installed_roots() -> tuple[Path, ...]:
+    """The folders of the installed packages ``fsdp_compile`` and ``passes``, as imported."""
+    import fsdp_compile
+    import passes
+
+    return tuple(Path(package.__file__).resolve().parent for package in (fsdp_compile, passes))
+
+
+def installed_version() -> str:
+    """fsdp-compile's version as installed, or ``"not installed"`` (run from a source tree)."""
+    try:
+        return importlib.metadata.version("fsdp-compile")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def digest_sources(roots: Iterable[Path], version: str) -> str:
+    """A digest of ``version`` and of every ``*.py`` file under ``roots`` (recursively), each by its
+    path relative to its root's parent (``passes/schedule/prefetch.py``) and its bytes."""
+    h = hashlib.sha256(version.encode() + b"\0")
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            data = path.read_bytes()
+            h.update(f"{path.relative_to(root.parent).as_posix()}\0{len(data)}\0".encode())
+            h.update(data)
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
-    """A digest of fsdp-compile's source (this package and ``passes``): new code, new cache entries."""
-    h = hashlib.sha256()
-    for package in _PACKAGES:
-        for path in sorted(package.glob("*.py")):
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()
+    """fsdp-compile's source and version as this process runs them (:func:`digest_sources` of the
+    installed packages, computed once): new code, new cache entries."""
+    return digest_sources(installed_roots(), installed_version())
 
 
 def _group_names(gm: fx.GraphModule) -> list[str]:

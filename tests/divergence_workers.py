@@ -4,7 +4,6 @@ already inside a collective, under the process group's default timeout (30 min o
 from __future__ import annotations
 
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -12,9 +11,7 @@ from torch import Tensor, nn
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 
-
-class Timed(RuntimeError):
-    """Raised by a rank to report an expected error and when it came."""
+from .misuse_workers import timed
 
 
 class Blocks(nn.Module):
@@ -70,6 +67,5 @@ def diverging_forwards(rank: int, world: int, case: str, backend_kw: dict[str, A
         else:
             _step(compiled)
     except Exception as e:
-        text = "".join(traceback.format_exception_only(type(e), e))
-        raise Timed(f"[after {time.monotonic() - start:.1f} s] {text}") from e
+        raise timed(start, e) from e
     raise AssertionError("the ranks diverged and nothing was raised")

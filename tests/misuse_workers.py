@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import time
 import traceback
@@ -28,9 +29,25 @@ class Timed(RuntimeError):
     """Raised by a rank to report an expected error and when it came."""
 
 
-def _timed(start: float, error: BaseException) -> Timed:
+def timed(start: float, error: BaseException) -> Timed:
+    """``error`` as a :class:`Timed`: its text, after how long since ``start`` it came."""
     text = "".join(traceback.format_exception_only(type(error), error))
     return Timed(f"[after {time.monotonic() - start:.1f} s] {text}")
+
+
+def rank_text(failure: Exception, rank: int) -> str:
+    """What ``rank`` raised, from a ``RankFailure`` of ``run_ranks``."""
+    parts = re.split(r"^--- ", str(failure), flags=re.M)
+    found = [p for p in parts if p.startswith(f"rank {rank} raised")]
+    assert found, f"rank {rank} did not raise:\n{failure}"
+    return found[0]
+
+
+def seconds(text: str) -> float:
+    """After how long a :class:`Timed` error came."""
+    match = re.search(r"\[after ([0-9.]+) s\]", text)
+    assert match, text
+    return float(match.group(1))
 
 
 def _tokens(seed: int, batch: int, seq: int, vocab: int) -> tuple[Tensor, Tensor]:
@@ -178,7 +195,7 @@ def peer_fails_before_first_forward(rank: int, world: int, victim: int, how: str
     try:
         _train_step(compiled, 0)
     except Exception as e:
-        raise _timed(start, e) from e
+        raise timed(start, e) from e
 
 
 def crashes_once(rank: int, world: int, marker: str) -> int:
@@ -211,7 +228,7 @@ def forward_on_rank_zero_only(rank: int, world: int, evaluated_before: bool, war
     except Exception as e:
         if warm_start:
             e.add_note(f"graphs loaded from the caches: {counters['aot_autograd']['autograd_cache_hit']}")
-        raise _timed(start, e) from e
+        raise timed(start, e) from e
 
 
 def peer_fails_before_a_loaded_backward(rank: int, world: int) -> None:

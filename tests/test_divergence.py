@@ -12,22 +12,10 @@ import pytest
 from fsdp_compile.examples.launch import RankFailure, run_ranks
 
 from .divergence_workers import diverging_forwards
+from .misuse_workers import rank_text, seconds
 
 DEFAULT_PG_TIMEOUT_S = 1800.0  # gloo's default
 ALLOWED_S = 60.0
-
-
-def _rank_text(failure: RankFailure, rank: int) -> str:
-    parts = re.split(r"^--- ", str(failure), flags=re.M)
-    found = [p for p in parts if p.startswith(f"rank {rank} raised")]
-    assert found, f"rank {rank} did not raise:\n{failure}"
-    return found[0]
-
-
-def _seconds(text: str) -> float:
-    match = re.search(r"\[after ([0-9.]+) s\]", text)
-    assert match, text
-    return float(match.group(1))
 
 
 @pytest.mark.parametrize("case, waiting, inside", [
@@ -41,8 +29,8 @@ def test_diverging_ranks_raise_within_a_minute_by_default(case: str, waiting: st
         run_ranks(diverging_forwards, 2, case, {}, pg_timeout_s=DEFAULT_PG_TIMEOUT_S, timeout=ALLOWED_S + 120,
                   grace_s=ALLOWED_S)
     for rank in (0, 1):
-        text = _rank_text(info.value, rank)
-        assert _seconds(text) <= ALLOWED_S, text
+        text = rank_text(info.value, rank)
+        assert seconds(text) <= ALLOWED_S, text
         assert waiting in text and inside in text, text  # both ranks, and what each ran
         assert "some ranks only" in text, text
 
@@ -52,6 +40,6 @@ def test_a_set_agreement_timeout_is_named_as_such() -> None:
     with pytest.raises(RankFailure) as info:
         run_ranks(diverging_forwards, 2, "idle", {"agreement_timeout_s": 3.0}, pg_timeout_s=DEFAULT_PG_TIMEOUT_S,
                   timeout=150)
-    text = _rank_text(info.value, 0)
+    text = rank_text(info.value, 0)
     assert re.search(r"waited \d+ s \(agreement_timeout_s\) for ranks \[1\]", text), text
     assert "process group's timeout" not in text, text

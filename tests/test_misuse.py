@@ -24,24 +24,13 @@ from .misuse_workers import (
     forward_on_rank_zero_only,
     peer_fails_before_a_loaded_backward,
     peer_fails_before_first_forward,
+    rank_text,
+    seconds,
     trains_correctly,
 )
 
 PG_TIMEOUT_S = 12.0  # the process group's timeout in the tests that wait for it
 ALLOWED_S = PG_TIMEOUT_S + 30.0  # the target: every surviving rank raises within the timeout + 30 s
-
-
-def _rank_text(failure: RankFailure, rank: int) -> str:
-    parts = re.split(r"^--- ", str(failure), flags=re.M)
-    found = [p for p in parts if p.startswith(f"rank {rank} raised")]
-    assert found, f"rank {rank} did not raise:\n{failure}"
-    return found[0]
-
-
-def _seconds(text: str) -> float:
-    match = re.search(r"\[after ([0-9.]+) s\]", text)
-    assert match, text
-    return float(match.group(1))
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +72,8 @@ def test_a_failed_peer_is_named_in_time(victim: int, how: str) -> None:
     with pytest.raises(RankFailure) as info:
         run_ranks(peer_fails_before_first_forward, 2, victim, how, pg_timeout_s=PG_TIMEOUT_S,
                   timeout=ALLOWED_S + 120, grace_s=ALLOWED_S)
-    text = _rank_text(info.value, 1 - victim)
-    assert _seconds(text) <= ALLOWED_S
+    text = rank_text(info.value, 1 - victim)
+    assert seconds(text) <= ALLOWED_S
     if victim == 1:
         assert "but rank 1 failed (ValueError: the data loader" in text or how == "exit"
         assert "rank 1 stopped: no heartbeat" in text or how == "raise"
@@ -114,10 +103,10 @@ def test_a_forward_on_some_ranks_only_fails_in_time_and_says_so(evaluated_before
         run_ranks(forward_on_rank_zero_only, 2, evaluated_before, pg_timeout_s=PG_TIMEOUT_S,
                   timeout=ALLOWED_S + 150, grace_s=ALLOWED_S)
     for rank in (0, 1):
-        text = _rank_text(info.value, rank)
-        assert _seconds(text) <= ALLOWED_S, text
+        text = rank_text(info.value, rank)
+        assert seconds(text) <= ALLOWED_S, text
         assert "some ranks only" in text, text
-    assert "inference graph" in _rank_text(info.value, 0)
+    assert "inference graph" in rank_text(info.value, 0)
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +130,11 @@ def test_a_forward_on_some_ranks_only_after_a_warm_start_fails_in_time_and_says_
         run_ranks(forward_on_rank_zero_only, 2, True, True, pg_timeout_s=PG_TIMEOUT_S,
                   timeout=ALLOWED_S + 150, grace_s=ALLOWED_S)
     for rank in (0, 1):
-        text = _rank_text(info.value, rank)
-        assert _seconds(text) <= ALLOWED_S, text
+        text = rank_text(info.value, rank)
+        assert seconds(text) <= ALLOWED_S, text
         assert "some ranks only" in text, text
         assert "graphs loaded from the caches: 2" in text, text
-    assert "inference graph" in _rank_text(info.value, 0)
+    assert "inference graph" in rank_text(info.value, 0)
 
 
 def test_a_collective_failing_in_a_loaded_backward_says_what_the_peers_do(warm_caches: str,
@@ -156,7 +145,7 @@ def test_a_collective_failing_in_a_loaded_backward_says_what_the_peers_do(warm_c
     with pytest.raises(RankFailure) as info:
         run_ranks(peer_fails_before_a_loaded_backward, 2, pg_timeout_s=PG_TIMEOUT_S, timeout=ALLOWED_S + 150,
                   grace_s=ALLOWED_S)
-    text = _rank_text(info.value, 0)
+    text = rank_text(info.value, 0)
     assert "graphs loaded from the caches: 1" in text, text  # the training graph, forward and backward
     assert re.search(r"a collective of a backward graph with \d+ collectives failed on rank 0", text), text
     assert "rank 1: failed: ValueError: this rank's next batch was corrupt" in text, text

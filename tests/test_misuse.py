@@ -29,6 +29,9 @@ from .misuse_workers import (
 
 PG_TIMEOUT_S = 12.0  # the process group's timeout in the tests that wait for it
 ALLOWED_S = PG_TIMEOUT_S + 30.0  # the target: every surviving rank raises within the timeout + 30 s
+# The cases that must train wait for no failure: a rank that recompiles (the ragged case) keeps its peer
+# waiting in a check-in for as long as its compile takes, which on a loaded 2-core machine passed 12 s
+TRAIN_PG_TIMEOUT_S = 120.0
 
 
 def _rank_text(failure: RankFailure, rank: int) -> str:
@@ -48,7 +51,7 @@ def _seconds(text: str) -> float:
 def trained() -> list[dict[str, Any]]:
     """The cases below that must train exactly, run in one spawn of 2 ranks (misuse_workers)."""
     # a rank crashing in native code runs the spawn again, with a warning: NOTE [crash retries]
-    return run_ranks(trains_correctly, 2, pg_timeout_s=PG_TIMEOUT_S, timeout=1200, crash_retries=1)
+    return run_ranks(trains_correctly, 2, pg_timeout_s=TRAIN_PG_TIMEOUT_S, timeout=1200, crash_retries=1)
 
 
 def test_clip_grad_norm_is_global_with_uneven_shards(trained: list[dict[str, Any]]) -> None:
@@ -70,7 +73,7 @@ def test_clip_grad_norm_is_global_with_uneven_shards(trained: list[dict[str, Any
 def test_ranks_that_recompile_at_different_steps_train_correctly(trained: list[dict[str, Any]]) -> None:
     """Sequence lengths [6,6,5,4] on rank 0 and [6,5,5,4] on rank 1: the ranks recompile at different
     steps; the agreement check compares collectives, not graph counts, so no rank waits for a graph its
-    peer never compiles (it would raise at the 12 s timeout)."""
+    peer never compiles (it would raise at the process group's timeout)."""
     for r in (rank["ragged"] for rank in trained):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
 

@@ -104,7 +104,8 @@ def test_a_crashed_rank_is_run_again_only_when_asked(tmp_path: Any) -> None:
     """``crash_retries=1``: a rank lost to glibc's abort on the known heap corruption (NOTE [crash retries])
     makes every rank run again, with a warning that names the crash and carries the rank's stderr; without
     it the crash is the failure; a rank lost to any other signal is never run again."""
-    with pytest.raises(RankFailure, match="(?s)rank 0 died of SIGABRT.*its stderr ended with:.*unaligned tcache"):
+    with pytest.raises(RankFailure, match=r"(?s)rank 0 died of SIGABRT.*its stderr ended with:\n"
+                       r"malloc\(\): unaligned tcache.*Fatal Python error: Aborted.*SIGABRT\(6\), PID"):
         run_ranks(crashes_once, 2, str(tmp_path / "first"), "heap", timeout=120)
     with pytest.warns(RuntimeWarning, match="(?s)running all 2 again.*rank 0 died of SIGABRT.*unaligned tcache"):
         assert run_ranks(crashes_once, 2, str(tmp_path / "second"), "heap", timeout=120, crash_retries=1) == [0, 1]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp_compile._compat import print_native_stacks_on_fatal_signal
 from fsdp_compile.safety import peers
 
 __all__ = ["RankFailure", "run_ranks"]
@@ -49,7 +50,8 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    faulthandler.enable()  # a crash in native code still prints this rank's Python stack
+    print_native_stacks_on_fatal_signal()  # a crash in native code prints every thread's native stack
+    faulthandler.enable()  # ... after every thread's Python stack
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -72,7 +74,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
             dist.destroy_process_group()
 
 
-_TAIL_BYTES = 16384
+_TAIL_BYTES = 1 << 18  # room for every thread's native stack after a crash
 
 
 class _Stderr:
@@ -111,6 +113,16 @@ class _Stderr:
         return self.tail.decode(errors="replace")
 
 
+def _last_words(text: str, size: int = 12000) -> str:
+    """``size`` characters of a dead rank's stderr from where its fatal error starts (glibc's message,
+    else faulthandler's), which the native stacks follow; else its last ``size`` characters."""
+    starts = [i for i in (text.rfind(KNOWN_CRASH), text.rfind("Fatal Python error")) if i >= 0]
+    if not starts:
+        return text[-size:]
+    start = text.rfind("\n", 0, min(starts)) + 1
+    return text[start:start + size]
+
+
 def _collect(results: Any, world_size: int, procs: list, deadline: float, grace_s: float) -> dict[int, tuple[str, Any]]:
     got: dict[int, tuple[str, Any]] = {}
     while len(got) < world_size and time.monotonic() < deadline:
@@ -143,8 +155,8 @@ def _how_it_ended(exitcode: int | None, hung: bool, timeout: float) -> str:
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(-exitcode)
         why = {"SIGKILL": "most often the kernel's out-of-memory killer (see `dmesg`); fewer ranks or a smaller "
                           "model need less memory",
-               "SIGSEGV": "a crash in native code; its Python stack is in the rank's stderr (faulthandler)",
-               "SIGABRT": "an abort in native code; its Python stack is in the rank's stderr (faulthandler)"}
+               "SIGSEGV": "a crash in native code; every thread's Python and native stack is in the rank's stderr",
+               "SIGABRT": "an abort in native code; every thread's Python and native stack is in the rank's stderr"}
         return f"died of {name} without reporting: {why.get(name, 'killed by a signal')}"
     return f"exited with code {exitcode} without reporting (it called exit, or its interpreter failed)"
 
@@ -228,7 +240,7 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
         died = [r for r in missing if r not in hung and (procs[r].exitcode or 0) < 0]
         last = {r: errs[r].text(wait_s=5.0) for r in died}
         parts += [f"--- rank {r} {_how_it_ended(procs[r].exitcode, r in hung, timeout)}"
-                  + (f"\n    its stderr ended with:\n{last[r][-4000:]}" if last.get(r) else "") for r in missing]
+                  + (f"\n    its stderr ended with:\n{_last_words(last[r])}" if last.get(r) else "") for r in missing]
         known = any(KNOWN_CRASH in text for text in last.values())
         raise (_Crashed if known else RankFailure)("\n".join(parts))
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]

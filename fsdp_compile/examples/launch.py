@@ -195,13 +195,15 @@ class _Crashed(RankFailure):
     """A rank died of glibc's abort on ``KNOWN_CRASH`` (what ``crash_retries`` retries).
 
     NOTE [crash retries]: rarely, a spawn of the test suite loses a rank to SIGABRT, glibc's "malloc():
-    unaligned tcache chunk detected" printed while the rank waits in a gloo collective of a compiled FX
-    backward: a heap corrupted earlier (a write into freed memory or past an allocation). The cause is
-    not found yet (issue 40): our graphs' custom ops and copies run clean under valgrind, and long FX
-    training runs with freed memory poisoned did not reproduce it. The fixtures that run many cases in
-    one spawn pass ``crash_retries=1``, which runs the spawn again for that signature only, matched in
-    the rank's stderr (which the failure quotes); any other death by a signal, a raise or a hang fails
-    at once. A user's training job has no retry.
+    unaligned tcache chunk detected", while the rank waits in a gloo collective of a compiled graph (FX or
+    Inductor). A captured case: two worker threads of gloo's all-gather group, running two gathers at once,
+    each found a free list of 32-byte chunks broken (one link overwritten with zero) when it allocated for
+    the gather. The cause is not found yet (issue 40): our graphs' custom ops and copies run clean under
+    valgrind, and long runs of our FX training, or of the same collective pattern without our code, did not
+    reproduce it. The fixtures that run many cases in one spawn pass ``crash_retries=1``, which runs the
+    spawn again for that signature only, matched in the rank's stderr (which the failure quotes, every
+    thread's native stack included); any other death by a signal, a raise or a hang fails at once. A user's
+    training job has no retry.
     """
 
 

@@ -196,14 +196,16 @@ class _Crashed(RankFailure):
 
     NOTE [crash retries]: rarely, a spawn of the test suite loses a rank to SIGABRT, glibc's "malloc():
     unaligned tcache chunk detected", while the rank waits in a gloo collective of a compiled graph (FX or
-    Inductor). A captured case: two worker threads of gloo's all-gather group, running two gathers at once,
-    each found a free list of 32-byte chunks broken (one link overwritten with zero) when it allocated for
-    the gather. The cause is not found yet (issue 40): our graphs' custom ops and copies run clean under
-    valgrind, and long runs of our FX training, or of the same collective pattern without our code, did not
-    reproduce it. The fixtures that run many cases in one spawn pass ``crash_retries=1``, which runs the
-    spawn again for that signature only, matched in the rank's stderr (which the failure quotes, every
-    thread's native stack included); any other death by a signal, a raise or a hang fails at once. A user's
-    training job has no retry.
+    Inductor). In the cases captured, gloo worker threads of one process group running two collectives at
+    once found a free list of 32-byte chunks broken (a link overwritten with zero, as when a chunk freed twice
+    sits in two threads' caches). The likely cause is torch's: ProcessGroupGloo::runLoop assigns
+    pgStatus_->lastCompletedWorkName (a std::string, "ALLGATHER_COALESCED" on the heap in a 32-byte chunk)
+    after each work without holding its lock, so two worker threads that finish together race on it (torch
+    2.13 does so; no upstream report found). Our graphs' custom ops and copies run clean under valgrind. The
+    fixtures that run many cases in one spawn pass ``crash_retries=1``, which runs the spawn again for that
+    signature only, matched in the rank's stderr (which the failure quotes, every thread's native stack
+    included); any other death by a signal, a raise or a hang fails at once. A user's training job has no
+    retry.
     """
 
 

@@ -173,9 +173,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     finish or fail on their own before they are killed.
 
     ``crash_retries``: how many times to run everything again when a rank died of glibc's abort on a
-    corrupt heap, ``KNOWN_CRASH`` in its stderr (NOTE [crash retries]), each time with a warning that
-    carries the failure. A rank that raised, hung, exited with a code or died of any other signal is never
-    retried. The failure of a rank that died without reporting ends with what it last wrote to stderr.
+    corrupt heap in torch's gloo process group, ``KNOWN_CRASH`` in its stderr (NOTE [crash retries]), each
+    time with a warning that carries the failure. A rank that raised, hung, exited with a code or died of
+    any other signal is never retried. The failure of a rank that died without reporting ends with what it
+    last wrote to stderr.
     """
     for attempt in range(crash_retries + 1):
         try:
@@ -196,16 +197,16 @@ class _Crashed(RankFailure):
 
     NOTE [crash retries]: rarely, a spawn of the test suite loses a rank to SIGABRT, glibc's "malloc():
     unaligned tcache chunk detected", while the rank waits in a gloo collective of a compiled graph (FX or
-    Inductor). In the cases captured, gloo worker threads of one process group running two collectives at
-    once found a free list of 32-byte chunks broken (a link overwritten with zero, as when a chunk freed twice
-    sits in two threads' caches). The likely cause is torch's: ProcessGroupGloo::runLoop assigns
-    pgStatus_->lastCompletedWorkName (a std::string, "ALLGATHER_COALESCED" on the heap in a 32-byte chunk)
-    after each work without holding its lock, so two worker threads that finish together race on it (torch
-    2.13 does so; no upstream report found). Our graphs' custom ops and copies run clean under valgrind. The
-    fixtures that run many cases in one spawn pass ``crash_retries=1``, which runs the spawn again for that
-    signature only, matched in the rank's stderr (which the failure quotes, every thread's native stack
-    included); any other death by a signal, a raise or a hang fails at once. A user's training job has no
-    retry.
+    Inductor). It is torch's: two functional all-gathers in flight on one gloo group, waited, in a loop,
+    without our code, end the same way within minutes. In the cases captured, gloo worker
+    threads of one group running two collectives at once found a free list of 32-byte chunks broken (a link
+    overwritten with zero, as when a chunk freed twice sits in two threads' caches);
+    ProcessGroupGloo::runLoop assigns pgStatus_->lastCompletedWorkName (a std::string, "ALLGATHER_COALESCED"
+    on the heap in a 32-byte chunk) after each work without holding its lock, so two worker threads that
+    finish together race on it (torch 2.13; no upstream report found). The fixtures that run many cases in
+    one spawn pass ``crash_retries=1``, which runs the spawn again for that signature only, matched in the
+    rank's stderr (which the failure quotes, every thread's native stack included); any other death by a
+    signal, a raise or a hang fails at once. A user's training job has no retry.
     """
 
 

@@ -7,6 +7,7 @@ Where these move between releases, the fallback belongs here and nowhere else. C
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "lowering_outlined_bodies",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
+    "print_native_stacks_on_fatal_signal",
     "queue_end_of_backward",
     "region_schemas_once",
     "register_foreach_type",
@@ -67,6 +69,17 @@ __all__ = [
 def resolve_group(name: str) -> dist.ProcessGroup:
     """The process group called ``name`` (functional collectives name groups by string)."""
     return dist.distributed_c10d._resolve_process_group(name)
+
+
+def print_native_stacks_on_fatal_signal() -> None:
+    """On SIGSEGV, SIGABRT and the like, print every thread's native stack to stderr (torch's handler,
+    which then passes the signal on), where the handler is available; Ctrl-C stays Python's."""
+    setter = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    if setter is not None:
+        interrupt = signal.getsignal(signal.SIGINT)
+        setter(True)
+        if interrupt is not None:
+            signal.signal(signal.SIGINT, interrupt)
 
 
 def default_store() -> dist.Store:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from fsdp_compile import FsdpGroups, local_shard, make_backend
+from fsdp_compile.examples.launch import KNOWN_CRASH
 from fsdp_compile.examples.models import Transformer, loss_fn
 
 from .workers import TINY, UnevenModel, make_optimizer, shard_model
@@ -198,10 +199,14 @@ def peer_fails_before_first_forward(rank: int, world: int, victim: int, how: str
         raise timed(start, e) from e
 
 
-def crashes_once(rank: int, world: int, marker: str) -> int:
-    """Rank 0 dies of SIGKILL the first time (``marker`` does not exist yet); every rank returns its rank."""
+def crashes_once(rank: int, world: int, marker: str, how: str) -> int:
+    """Rank 0 dies the first time (``marker`` does not exist yet): of SIGKILL (``how="kill"``), or as glibc
+    aborts on a corrupt heap (``"heap"``, NOTE [crash retries]); every rank returns its rank."""
     if rank == 0 and not os.path.exists(marker):
         open(marker, "w").close()
+        if how == "heap":
+            os.write(2, f"{KNOWN_CRASH}\n".encode())
+            os.abort()
         os.kill(os.getpid(), signal.SIGKILL)
     return rank
 

@@ -69,7 +69,7 @@ TWO_RANKS: dict[str, Case] = {
 @pytest.fixture(scope="module")
 def two_ranks() -> dict[str, list[dict[str, Any]]]:
     """Every case of ``TWO_RANKS`` in one spawn of 2 ranks (start-up is much of a case's time)."""
-    # a rank crashing in native code runs the spawn again, with a warning: NOTE [crash retries]
+    # a rank lost to the known heap-corruption abort runs the spawn again, with a warning: NOTE [crash retries]
     per_rank = run_ranks(train_cases, 2, list(TWO_RANKS.values()), timeout=1800, crash_retries=1)
     return {name: [rank[i] for rank in per_rank] for i, name in enumerate(TWO_RANKS)}
 

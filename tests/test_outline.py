@@ -181,15 +181,15 @@ class OutlineTest(FakeWorldTestCase):
 8  all_gather      unit 0  ag     all_gather      1024 B
 9  wait            unit 1  ag     all_gather
 10 compute         call bw_fsdp_block_0_0  (3 nodes)
-11 reduce_scatter  unit 1  rs     reduce_scatter  1120 B
-12 wait            unit 0  ag     all_gather
-13 compute         call bw_fsdp_block_0_0  (3 nodes)
-14 wait            unit 2  rs     reduce_scatter
-15 unpack          unit 2  rs
-16 reduce_scatter  unit 0  rs     reduce_scatter  1120 B
-17 wait            unit 1  rs     reduce_scatter
-18 wait            unit 0  rs     reduce_scatter
-19 unpack          unit 1  rs
+11 wait            unit 2  rs     reduce_scatter
+12 unpack          unit 2  rs
+13 reduce_scatter  unit 1  rs     reduce_scatter  1120 B
+14 wait            unit 0  ag     all_gather
+15 compute         call bw_fsdp_block_0_0  (3 nodes)
+16 wait            unit 1  rs     reduce_scatter
+17 unpack          unit 1  rs
+18 reduce_scatter  unit 0  rs     reduce_scatter  1120 B
+19 wait            unit 0  rs     reduce_scatter
 20 unpack          unit 0  rs""")
 
         fw_body = getattr(graphs["forward"], calls(graphs["forward"])[0].args[0].target)

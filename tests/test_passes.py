@@ -74,18 +74,18 @@ class TestRunner(TestCase):
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
 13 compute         mm sum  (6 nodes)
-14 pack            unit 1  rs
-15 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-16 wait            unit 0  ag     all_gather
-17 unpack          unit 0  ag
-18 compute         mm sum  (6 nodes)
-19 wait            unit 2  rs     reduce_scatter
-20 unpack          unit 2  rs
-21 pack            unit 0  rs
-22 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-23 wait            unit 1  rs     reduce_scatter
-24 wait            unit 0  rs     reduce_scatter
-25 unpack          unit 1  rs
+14 wait            unit 2  rs     reduce_scatter
+15 unpack          unit 2  rs
+16 pack            unit 1  rs
+17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+18 wait            unit 0  ag     all_gather
+19 unpack          unit 0  ag
+20 compute         mm sum  (6 nodes)
+21 wait            unit 1  rs     reduce_scatter
+22 unpack          unit 1  rs
+23 pack            unit 0  rs
+24 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+25 wait            unit 0  rs     reduce_scatter
 26 unpack          unit 0  rs""")
 
     def test_disabled_pass_is_skipped(self) -> None:

@@ -341,24 +341,24 @@ class StackSchedule(FakeWorldTestCase):
 8  all_gather      unit 0  ag     all_gather      1024 B
 9  wait            unit 1  ag     all_gather
 10 compute         call bw_unrolled_scan_combine_fn_0_0  (3 nodes)
-11 reduce_scatter  unit 1  rs     reduce_scatter  1120 B
-12 pack            unit 3  ag
-13 all_gather      unit 3  ag     all_gather      256 B
-14 wait            unit 0  ag     all_gather
-15 compute         call bw_unrolled_scan_combine_fn_0_0  (3 nodes)
-16 wait            unit 2  rs     reduce_scatter
-17 unpack          unit 2  rs
-18 reduce_scatter  unit 0  rs     reduce_scatter  1120 B
-19 wait            unit 3  ag     all_gather
-20 unpack          unit 3  ag
-21 compute         mm sum  (7 nodes)
-22 wait            unit 1  rs     reduce_scatter
-23 unpack          unit 1  rs
-24 pack            unit 3  rs
-25 reduce_scatter  unit 3  rs     reduce_scatter  288 B
-26 wait            unit 0  rs     reduce_scatter
-27 wait            unit 3  rs     reduce_scatter
-28 unpack          unit 0  rs
+11 wait            unit 2  rs     reduce_scatter
+12 unpack          unit 2  rs
+13 reduce_scatter  unit 1  rs     reduce_scatter  1120 B
+14 pack            unit 3  ag
+15 all_gather      unit 3  ag     all_gather      256 B
+16 wait            unit 0  ag     all_gather
+17 compute         call bw_unrolled_scan_combine_fn_0_0  (3 nodes)
+18 wait            unit 1  rs     reduce_scatter
+19 unpack          unit 1  rs
+20 reduce_scatter  unit 0  rs     reduce_scatter  1120 B
+21 wait            unit 3  ag     all_gather
+22 unpack          unit 3  ag
+23 compute         mm sum  (7 nodes)
+24 wait            unit 0  rs     reduce_scatter
+25 unpack          unit 0  rs
+26 pack            unit 3  rs
+27 reduce_scatter  unit 3  rs     reduce_scatter  288 B
+28 wait            unit 3  rs     reduce_scatter
 29 unpack          unit 3  rs""")
 
     def test_without_outlining_the_stack_is_the_whole_graph(self) -> None:

@@ -27,6 +27,17 @@ def config() -> Any:
     )
 
 
+def sharded_on_meta(groups: FsdpGroups) -> Any:
+    """A Hugging Face Llama of :func:`config` built on the meta device, its layers then its root sharded,
+    ``to_empty`` on the CPU: what ``load_pretrained`` fills."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config())
+    for layer in model.model.layers:
+        fully_shard(layer, groups=groups)
+    fully_shard(model, groups=groups)
+    return model.to_empty(device="cpu")
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
     return tokens[:, :-1], tokens[:, 1:]
@@ -49,12 +60,7 @@ def _two_steps(run: Any, params: Any) -> list[float]:
 def round_trip(rank: int, world: int, src: str, dst: str) -> dict[str, Any]:
     warnings.simplefilter("ignore")  # the one-time "gathered eagerly" warning
     groups = FsdpGroups.create()
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config())
-    for layer in model.model.layers:
-        fully_shard(layer, groups=groups)
-    fully_shard(model, groups=groups)
-    model.to_empty(device="cpu")
+    model = sharded_on_meta(groups)
     keys = hf.load_pretrained(model, src)
     loaded = {k: v.clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
     inv_freq = model.model.rotary_emb.inv_freq.clone()

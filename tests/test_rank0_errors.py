@@ -5,7 +5,6 @@ and a broadcast load given entries on a rank other than 0 (2 gloo ranks, one spa
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -15,18 +14,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from fsdp_compile import FsdpGroups, fully_shard, set_model_state_dict
+from fsdp_compile import FsdpGroups, set_model_state_dict
 from fsdp_compile.examples.launch import run_ranks
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("fsdp_compile.api.hf")
 
-
-def _config() -> Any:
-    return transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=32, tie_word_embeddings=True,
-    )
+from .test_hf_checkpoint import config, sharded_on_meta  # noqa: E402
 
 
 def _attempt(name: str, fn: Any) -> dict[str, Any]:
@@ -42,12 +36,7 @@ def every_case(rank: int, world: int, root: str) -> list[dict[str, Any]]:
     """Each case in turn on one model, its error caught; then a good load, which must still work."""
     warnings.simplefilter("ignore")
     groups = FsdpGroups.create()
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(_config())
-    for layer in model.model.layers:
-        fully_shard(layer, groups=groups)
-    fully_shard(model, groups=groups)
-    model.to_empty(device="cpu")
+    model = sharded_on_meta(groups)
     r = Path(root)
     extra = {"model.norm.weight": torch.ones(32)} if rank == 1 else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -62,7 +51,7 @@ def every_case(rank: int, world: int, root: str) -> list[dict[str, Any]]:
 
 def _directories(root: Path) -> None:
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(_config()).save_pretrained(root / "good")
+    transformers.AutoModelForCausalLM.from_config(config()).save_pretrained(root / "good")
     (root / "tokenizer-only").mkdir()
     (root / "tokenizer-only" / "tokenizer_config.json").write_text("{}")
     weights = root / "good" / "model.safetensors"

@@ -47,7 +47,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as Fsdp2Mp
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
+from benchmarks.world1_costs import live_at_peak
+from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
 from fsdp_compile.examples.models import PRESETS, ModelConfig, Transformer, loss_fn
 
 VARIANTS = ("fsdp-compile", "fsdp2-compile", "compile")
@@ -73,8 +78,6 @@ def flops_per_token(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
 def build(variant: str, cfg: ModelConfig, device: torch.device,
           tiny: bool) -> tuple[nn.Module, Callable[[Tensor, Tensor], Tensor], torch.optim.Optimizer]:
     """The variant's model (built on meta, sharded, ``to_empty``, initialised), a loss function of a batch, AdamW."""
-    from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
-
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -87,9 +90,6 @@ def build(variant: str, cfg: ModelConfig, device: torch.device,
         fully_shard(model, groups=groups, mp_policy=mp)
         backend: Any = make_backend(elide_single_rank=False, inductor=not tiny)
     elif variant == "fsdp2-compile":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy as Fsdp2Mp
-        from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         mp2 = Fsdp2Mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.layers:
@@ -151,7 +151,6 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         out["resident_gib"] = resident / GIB
         out["steady_transient_gib"] = (peak() - resident) / GIB
         if args.snapshot and cuda:
-            from benchmarks.world1_costs import live_at_peak
             torch.cuda.synchronize()
             torch.cuda.memory._record_memory_history(max_entries=400_000)
             try:

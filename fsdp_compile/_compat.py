@@ -58,6 +58,7 @@ __all__ = [
     "scan",
     "scan_example_values_without_autograd",
     "select_decomp_table",
+    "serial_gloo",
     "serializable",
     "store_connection",
     "structured_trace_on",
@@ -108,6 +109,22 @@ def group_timeout_s(group: dist.ProcessGroup) -> float:
         return float(group._get_backend(device).options._timeout.total_seconds())
     except (AttributeError, RuntimeError):
         return float(dist.distributed_c10d._get_default_timeout(backend).total_seconds())
+
+
+SERIAL_GLOO = "gloo_serial"
+
+
+def serial_gloo() -> str:
+    """The name of gloo with one worker thread per process group (registered on first use), for
+    ``init_process_group`` and ``new_group``: NOTE [one gloo thread per group] in api/groups.py."""
+    if SERIAL_GLOO not in dist.Backend.backend_list:
+        def create(store: dist.Store, rank: int, size: int, timeout: Any) -> dist.ProcessGroupGloo:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout, options._threads = timeout, 1
+            options._devices = [dist.ProcessGroupGloo.create_default_device()]
+            return dist.ProcessGroupGloo(store, rank, size, options)
+        dist.Backend.register_backend(SERIAL_GLOO, create, devices=["cpu"])
+    return SERIAL_GLOO
 
 
 def register_foreach_type(cls: type) -> None:

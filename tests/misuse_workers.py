@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from fsdp_compile import FsdpGroups, local_shard, make_backend
-from fsdp_compile.examples.launch import KNOWN_CRASH
 from fsdp_compile.examples.models import Transformer, loss_fn
 
 from .workers import TINY, UnevenModel, make_optimizer, shard_model
@@ -201,11 +200,11 @@ def peer_fails_before_first_forward(rank: int, world: int, victim: int, how: str
 
 def crashes_once(rank: int, world: int, marker: str, how: str) -> int:
     """Rank 0 dies the first time (``marker`` does not exist yet): of SIGKILL (``how="kill"``), or as glibc
-    aborts on a corrupt heap (``"heap"``, NOTE [crash retries]); every rank returns its rank."""
+    aborts on a corrupt heap (``"heap"``, glibc's words); every rank returns its rank."""
     if rank == 0 and not os.path.exists(marker):
         open(marker, "w").close()
         if how == "heap":
-            os.write(2, f"{KNOWN_CRASH}\n".encode())
+            os.write(2, b"malloc(): unaligned tcache chunk detected\n")
             os.abort()
         os.kill(os.getpid(), signal.SIGKILL)
     return rank

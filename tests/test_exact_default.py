@@ -53,7 +53,7 @@ def one_rank() -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, dict[str, Any]]]:
     runs = [Run(p) for p in PATTERNS] + [Run(p, inductor=True) for p in UNDER_INDUCTOR]
-    return run_ranks(train_patterns, 2, runs, timeout=1200, crash_retries=1)
+    return run_ranks(train_patterns, 2, runs, timeout=1200)
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))

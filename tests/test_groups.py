@@ -67,3 +67,18 @@ def test_the_heartbeat_stops_with_its_process_group() -> None:
     while beating() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not beating()
+
+
+@pytest.mark.slow
+def test_on_gloo_each_group_runs_one_collective_at_a_time() -> None:
+    """NOTE [one gloo thread per group]: over a plain gloo group, FsdpGroups makes two new groups of one
+    worker thread, with the base group's timeout; collectives in flight on both, many times over, run
+    clean (on two-thread groups the same loop aborts on a corrupt heap within seconds)."""
+    from fsdp_compile.examples.launch import run_ranks
+
+    from .workers import collectives_in_flight
+
+    for out in run_ranks(collectives_in_flight, 2, 8.0, timeout=120):
+        assert out["groups"] == {"all_gather": ("gloo_serial", 1, 90.0, False),
+                                 "reduce_scatter": ("gloo_serial", 1, 90.0, False)}
+        assert out["rounds"] > 200 and out["last"] == [0.0, 0.0, 1.0, 1.0]

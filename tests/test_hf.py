@@ -24,8 +24,7 @@ MODELS = ["hf-llama", "hf-gpt2", "hf-mistral"]  # Mistral: a sliding window shor
 @pytest.fixture(scope="module")
 def trained() -> dict[str, list[dict[str, Any]]]:
     cases = [Case(model=m, steps=3, backend_kw={"inductor": False}) for m in MODELS]
-    # a rank lost to the known heap-corruption abort runs the spawn again, with a warning: NOTE [crash retries]
-    per_rank = run_ranks(train_cases, 2, cases, timeout=900, crash_retries=1)
+    per_rank = run_ranks(train_cases, 2, cases, timeout=900)
     return {m: [rank[i] for rank in per_rank] for i, m in enumerate(MODELS)}
 
 

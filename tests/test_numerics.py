@@ -69,8 +69,7 @@ TWO_RANKS: dict[str, Case] = {
 @pytest.fixture(scope="module")
 def two_ranks() -> dict[str, list[dict[str, Any]]]:
     """Every case of ``TWO_RANKS`` in one spawn of 2 ranks (start-up is much of a case's time)."""
-    # a rank lost to the known heap-corruption abort runs the spawn again, with a warning: NOTE [crash retries]
-    per_rank = run_ranks(train_cases, 2, list(TWO_RANKS.values()), timeout=1800, crash_retries=1)
+    per_rank = run_ranks(train_cases, 2, list(TWO_RANKS.values()), timeout=1800)
     return {name: [rank[i] for rank in per_rank] for i, name in enumerate(TWO_RANKS)}
 
 
@@ -112,7 +111,7 @@ def test_four_ranks_llama_and_uneven() -> None:
     over 4 ranks (padding), a frozen embedding, a buffer, a module used twice and a param shared by two
     modules of one unit."""
     cases = [Case(optim="sgd", backend_kw=FX), Case(optim="adamw", backend_kw=FX), Case(model="uneven", steps=6)]
-    sgd, adamw, uneven = zip(*run_ranks(train_cases, 4, cases, timeout=1800, crash_retries=1))  # NOTE [crash retries]
+    sgd, adamw, uneven = zip(*run_ranks(train_cases, 4, cases, timeout=1800))
     check(list(sgd), steps=cases[0].steps)
     check(list(adamw), steps=cases[1].steps)
     check(list(uneven), steps=cases[2].steps)

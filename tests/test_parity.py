@@ -45,8 +45,7 @@ CASES: dict[str, Case] = {
 @pytest.fixture(scope="module")
 def two_ranks() -> dict[str, list[dict[str, Any]]]:
     """Every case of ``CASES`` at 2 ranks, by name: each rank's result."""
-    # a rank lost to the known heap-corruption abort runs the spawn again, with a warning: NOTE [crash retries]
-    per_rank = run_ranks(train_cases, 2, list(CASES.values()), timeout=1200, crash_retries=1)
+    per_rank = run_ranks(train_cases, 2, list(CASES.values()), timeout=1200)
     return {name: [rank[i] for rank in per_rank] for i, name in enumerate(CASES)}
 
 

@@ -7,6 +7,7 @@ compare.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -381,3 +382,33 @@ def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]
         torch._dynamo.reset()
         results.append(train_case(rank, world, case))
     return results
+
+
+def collectives_in_flight(rank: int, world: int, seconds: float) -> dict[str, Any]:
+    """``FsdpGroups`` made over a plain (two-thread) gloo group, then, for ``seconds``: four functional
+    all-gathers in flight on its all-gather group, waited, then four reduce-scatters on its
+    reduce-scatter group, waited (NOTE [one gloo thread per group]); returns what the groups are and the rounds run."""
+    from datetime import timedelta
+
+    from fsdp_compile._compat import group_timeout_s
+
+    plain = dist.new_group(backend="gloo", timeout=timedelta(seconds=90))
+    groups = FsdpGroups.create(plain)
+    c10d = torch.ops._c10d_functional
+    xs = [torch.full((1000 + 7 * i,), float(rank)) for i in range(4)]
+    deadline, rounds = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        for group in (groups.all_gather, groups.reduce_scatter):
+            if group is groups.all_gather:
+                out = [c10d.all_gather_into_tensor(x, world, group.group_name) for x in xs]
+            else:
+                out = [c10d.reduce_scatter_tensor(x[:998], "sum", world, group.group_name) for x in xs]
+            for t in out:
+                c10d.wait_tensor(t)
+        rounds += 1
+    pgs = {"all_gather": groups.all_gather, "reduce_scatter": groups.reduce_scatter}
+    info = {name: (dist.get_backend(pg), pg._get_backend(torch.device("cpu")).options._threads, group_timeout_s(pg),
+                   pg is plain) for name, pg in pgs.items()}
+    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(xs[0], world, groups.all_gather.group_name))
+    groups.destroy()
+    return {"groups": info, "rounds": rounds, "last": gathered[:2].tolist() + gathered[-2:].tolist()}

@@ -6,10 +6,21 @@ it. Giving the reduce-scatters their own group lets the last unit's reduce-scatt
 all-gather run at the same time, so the reduce-scatter can be launched as soon as its gradients exist
 (the seed change in shared/seeds/). Every rank must issue the collectives of both groups in the same
 order, or concurrent communicators deadlock: the passes make the schedule a pure function of the graph.
+
+NOTE [one gloo thread per group]: torch's gloo process group runs a group's collectives on two worker
+threads, and with two collectives of one group in flight (a prefetched all-gather, or two
+reduce-scatters) the process dies within minutes on a corrupt heap ("malloc(): unaligned tcache chunk
+detected", or a segfault): each worker assigns the group's last-completed work name, a heap string,
+without a lock. Four functional all-gathers in flight on one group, waited, in a loop, with no code of
+ours, abort within seconds; with one worker thread the same loop runs clean. So on gloo every group
+FSDP collectives run on is a new group of ``_compat.serial_gloo()``: one worker thread, collectives of
+a group one at a time (as an NCCL communicator runs them), the two groups still concurrent. A rank's
+own collectives on a two-thread gloo group are its own to keep to one in flight.
 """
 
 from __future__ import annotations
 
+import datetime
 import enum
 from dataclasses import dataclass, field
 
@@ -17,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_compile._compat import group_timeout_s, serial_gloo
 from fsdp_compile.safety import peers
 
 __all__ = ["Dedicated", "FsdpGroups"]
@@ -102,12 +114,20 @@ class FsdpGroups:
             )
         assert base is not None
         owned: list[ProcessGroup] = []
+        serial = dist.get_backend(base) == "gloo"  # NOTE [one gloo thread per group]
+
+        def new(like: ProcessGroup, desc: str) -> ProcessGroup:
+            owned.append(_same_ranks_group(like, desc=desc, backend=serial_gloo() if serial else None))
+            return owned[-1]
+
         if mode is Dedicated.NONE:
-            ag = rs = base
+            ag = rs = new(base, "fsdp") if serial else base
         else:
-            extra = _same_ranks_group(base, desc=f"fsdp_{mode.value}")
-            owned.append(extra)
-            ag, rs = (base, extra) if mode is Dedicated.REDUCE_SCATTER else (extra, base)
+            extra = new(base, f"fsdp_{mode.value}")
+            other = new(base, "fsdp_base") if serial else base
+            ag, rs = (other, extra) if mode is Dedicated.REDUCE_SCATTER else (extra, other)
+        if serial and replicate is not None:
+            replicate = new(replicate, "fsdp_replicate")
         peers.start()
         return cls(all_gather=ag, reduce_scatter=rs, dedicated=mode, replicate=replicate, _owned=owned,
                    _heartbeat=True)
@@ -133,21 +153,23 @@ class FsdpGroups:
             peers.release()
 
 
-def _same_ranks_group(base: ProcessGroup, *, desc: str) -> ProcessGroup:
-    """A second communicator over exactly the ranks of ``base``.
+def _same_ranks_group(base: ProcessGroup, *, desc: str, backend: str | None) -> ProcessGroup:
+    """Another communicator over exactly the ranks of ``base``, with its timeout, on ``backend`` (None:
+    the default group's).
 
     ``new_group`` must be entered by every rank of WORLD; on a 2-D mesh each rank only knows its own
-    shard group, so ``split_group`` (collective over ``base`` alone) is used where available.
+    shard group, so the ranks learn every shard group and make a twin of each, in one order.
     """
     ranks = dist.get_process_group_ranks(base)
+    timeout = datetime.timedelta(seconds=group_timeout_s(base))
     if base is dist.group.WORLD or len(ranks) == dist.get_world_size():
-        pg = dist.new_group(ranks=ranks, group_desc=desc)
+        pg = dist.new_group(ranks=ranks, group_desc=desc, backend=backend, timeout=timeout)
     else:
         all_groups: list[list[int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(all_groups, ranks)
         pg = None
         for group_ranks in sorted({tuple(r) for r in all_groups if r is not None}):
-            made = dist.new_group(ranks=list(group_ranks), group_desc=desc)
+            made = dist.new_group(ranks=list(group_ranks), group_desc=desc, backend=backend, timeout=timeout)
             if list(group_ranks) == ranks:
                 pg = made
     assert pg is not None

@@ -2,7 +2,7 @@
 
 Used by the demo and the benchmarks (CPU ranks on gloo, no torchrun needed) and by the tests.
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each initialising a gloo process
-group, seeding torch with one seed (0) on every rank and calling ``fn(rank, world_size, *args)``; it returns the per-rank results in rank order.
+group (one worker thread per group: NOTE [one gloo thread per group] in api/groups.py), seeding torch with one seed (0) on every rank and calling ``fn(rank, world_size, *args)``; it returns the per-rank results in rank order.
 A rank that raises makes it raise ``RankFailure`` carrying each failed rank's traceback; a run that
 passes ``timeout`` seconds is killed and raises too, so a wrong schedule fails instead of hanging.
 """
@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fsdp_compile._compat import print_native_stacks_on_fatal_signal
+from fsdp_compile._compat import print_native_stacks_on_fatal_signal, serial_gloo
 from fsdp_compile.safety import peers
 
 __all__ = ["RankFailure", "run_ranks"]
@@ -56,7 +55,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
+            serial_gloo() if backend == "gloo" else backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
         )
         torch.manual_seed(0)  # one seed on every rank, as a training script sets (NOTE [ranks built alike])
         out = fn(rank, world_size, *args)
@@ -114,9 +113,9 @@ class _Stderr:
 
 
 def _last_words(text: str, size: int = 12000) -> str:
-    """``size`` characters of a dead rank's stderr from where its fatal error starts (glibc's message,
+    """``size`` characters of a dead rank's stderr from where its fatal error starts (glibc's heap message,
     else faulthandler's), which the native stacks follow; else its last ``size`` characters."""
-    starts = [i for i in (text.rfind(KNOWN_CRASH), text.rfind("Fatal Python error")) if i >= 0]
+    starts = [i for i in (text.rfind("malloc"), text.rfind("Fatal Python error")) if i >= 0]
     if not starts:
         return text[-size:]
     start = text.rfind("\n", 0, min(starts)) + 1
@@ -163,55 +162,16 @@ def _how_it_ended(exitcode: int | None, hung: bool, timeout: float) -> str:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
               pg_timeout_s: float = 120.0, threads: int | None = None, backend: str = "gloo",
-              grace_s: float = 10.0, crash_retries: int = 0) -> list[Any]:
+              grace_s: float = 10.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     ``fn`` must be importable by module path (spawned processes unpickle it). Each rank uses
     ``threads`` intra-op threads (default: the cores divided among the ranks, at least one).
     With ``backend="nccl"`` rank ``r`` uses GPU ``r`` (one GPU per rank). Results travel by value
     (``torch.save``), so tensors are fine. Once a rank has failed, the others get ``grace_s`` seconds to
-    finish or fail on their own before they are killed.
-
-    ``crash_retries``: how many times to run everything again when a rank died of glibc's abort on a
-    corrupt heap in torch's gloo process group, ``KNOWN_CRASH`` in its stderr (NOTE [crash retries]), each
-    time with a warning that carries the failure. A rank that raised, hung, exited with a code or died of
-    any other signal is never retried. The failure of a rank that died without reporting ends with what it
-    last wrote to stderr.
+    finish or fail on their own before they are killed. The failure of a rank that died without
+    reporting ends with what it last wrote to stderr (every thread's native and Python stack).
     """
-    for attempt in range(crash_retries + 1):
-        try:
-            return _run_once(fn, world_size, args, timeout, pg_timeout_s, threads, backend, grace_s)
-        except _Crashed as crash:  # a RankFailure
-            if attempt == crash_retries:
-                raise
-            warnings.warn(f"run_ranks: a rank crashed; running all {world_size} again ({attempt + 1} of "
-                          f"{crash_retries}):\n{crash}", RuntimeWarning, stacklevel=2)
-    raise AssertionError("unreachable")
-
-
-KNOWN_CRASH = "malloc(): unaligned tcache chunk detected"
-
-
-class _Crashed(RankFailure):
-    """A rank died of glibc's abort on ``KNOWN_CRASH`` (what ``crash_retries`` retries).
-
-    NOTE [crash retries]: rarely, a spawn of the test suite loses a rank to SIGABRT, glibc's "malloc():
-    unaligned tcache chunk detected", while the rank waits in a gloo collective of a compiled graph (FX or
-    Inductor). It is torch's: two functional all-gathers in flight on one gloo group, waited, in a loop,
-    without our code, end the same way within minutes. In the cases captured, gloo worker
-    threads of one group running two collectives at once found a free list of 32-byte chunks broken (a link
-    overwritten with zero, as when a chunk freed twice sits in two threads' caches);
-    ProcessGroupGloo::runLoop assigns pgStatus_->lastCompletedWorkName (a std::string, "ALLGATHER_COALESCED"
-    on the heap in a 32-byte chunk) after each work without holding its lock, so two worker threads that
-    finish together race on it (torch 2.13; no upstream report found). The fixtures that run many cases in
-    one spawn pass ``crash_retries=1``, which runs the spawn again for that signature only, matched in the
-    rank's stderr (which the failure quotes, every thread's native stack included); any other death by a
-    signal, a raise or a hang fails at once. A user's training job has no retry.
-    """
-
-
-def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout_s: float,
-              threads: int | None, backend: str, grace_s: float) -> list[Any]:
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
@@ -246,6 +206,5 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
         last = {r: errs[r].text(wait_s=5.0) for r in died}
         parts += [f"--- rank {r} {_how_it_ended(procs[r].exitcode, r in hung, timeout)}"
                   + (f"\n    its stderr ended with:\n{_last_words(last[r])}" if last.get(r) else "") for r in missing]
-        known = any(KNOWN_CRASH in text for text in last.values())
-        raise (_Crashed if known else RankFailure)("\n".join(parts))
+        raise RankFailure("\n".join(parts))
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]

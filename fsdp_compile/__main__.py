@@ -1,4 +1,4 @@
-"""The command line: ``python -m fsdp_compile demo`` and ``python -m fsdp_compile explain``."""
+"""The command line: ``python -m fsdp_compile demo``, ``explain`` and ``emulate``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fsdp_compile.emulate import cli as emulate_cli
 from fsdp_compile.examples import demo
 from fsdp_compile.inspect.cost import HARDWARE
 from fsdp_compile.inspect.explain import explain
@@ -25,6 +26,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     demo.add_arguments(sub.add_parser("demo", help="train a small transformer on 2 CPU ranks (or GPUs)"))
     _explain_arguments(sub.add_parser("explain", help="show and predict a model's schedule, no GPU needed"))
+    emulate_cli.add_arguments(sub.add_parser(
+        "emulate", help="train as rank 0 of an emulated world of N GPUs on one GPU: step time, MFU, memory, "
+                        "exposed communication"))
     return p
 
 
@@ -34,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(ns)
     if ns.command == "explain":
         return _explain(ns)
+    if ns.command == "emulate":
+        return emulate_cli.main(ns)
     raise AssertionError(ns.command)
 
 

@@ -29,47 +29,25 @@ from torch._logging._internal import getArtifactLogger
 from torch._ops import OpOverload
 
 __all__ = [
-    "DisableTorchFunctionSubclass",
-    "OpOverload",
-    "assume_constant_result",
-    "register_log_artifact",
-    "trace_structured_artifact",
-    "aot_autograd",
-    "compile_fx_inner",
-    "compile_time_metrics",
-    "default_store",
-    "donate_no_saved_tensors",
-    "forward_user_outputs",
-    "group_timeout_s",
-    "getArtifactLogger",
-    "inductor_config_patch",
-    "inductor_joint_graph_passes",
-    "inductor_pre_grad_passes",
-    "keep_output_strides",
-    "lowering_outlined_bodies",
-    "make_boxed_func",
-    "min_cut_rematerialization_partition",
-    "print_native_stacks_on_fatal_signal",
-    "queue_end_of_backward",
-    "region_schemas_once",
-    "register_foreach_type",
-    "resolve_group",
-    "restarts_the_trace",
-    "scan",
-    "scan_example_values_without_autograd",
-    "select_decomp_table",
-    "serial_gloo",
-    "serializable",
-    "store_connection",
-    "structured_trace_on",
-    "timed",
-    "traced_for",
+    "aot_autograd", "assume_constant_result", "compile_fx_inner", "compile_time_metrics", "default_store",
+    "DisableTorchFunctionSubclass", "donate_no_saved_tensors", "forward_user_outputs", "getArtifactLogger",
+    "group_timeout_s", "inductor_config_patch", "inductor_joint_graph_passes", "inductor_pre_grad_passes",
+    "keep_output_strides", "lowering_outlined_bodies", "make_boxed_func", "min_cut_rematerialization_partition",
+    "OpOverload", "print_native_stacks_on_fatal_signal", "queue_end_of_backward", "region_schemas_once",
+    "register_collective_work", "register_foreach_type", "register_log_artifact", "resolve_group",
+    "restarts_the_trace", "scan", "scan_example_values_without_autograd", "select_decomp_table", "serial_gloo",
+    "serializable", "store_connection", "structured_trace_on", "timed", "trace_structured_artifact", "traced_for",
 ]
 
 
 def resolve_group(name: str) -> dist.ProcessGroup:
     """The process group called ``name`` (functional collectives name groups by string)."""
     return dist.distributed_c10d._resolve_process_group(name)
+
+
+def register_collective_work(tensor: torch.Tensor, work: dist.Work) -> None:
+    """Let ``wait_tensor(tensor)`` wait on ``work``, as torch's own functional collectives do."""
+    torch._C._distributed_c10d._register_work(tensor, work)
 
 
 def print_native_stacks_on_fatal_signal() -> None:

@@ -51,6 +51,8 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=64),
     "demo": ModelConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, max_seq_len=128),
+    # 4 Llama blocks of width 4096, no GQA, a 32k vocabulary: the model of the two-H200 step measurements
+    "llama-d4096": ModelConfig(vocab_size=32000, dim=4096, n_layers=4, n_heads=32, max_seq_len=2048),
     "llama3-8b": ModelConfig(
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336, max_seq_len=8192
     ),

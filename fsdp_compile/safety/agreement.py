@@ -101,8 +101,8 @@ class GraphIdentity:
 
 def identify(gm: fx.GraphModule, kind: str, timeout_s: float | None = None) -> GraphIdentity | None:
     """The graph's identity, or ``None`` when it needs no peer (no collectives, one rank, no real group)."""
-    if not dist.is_initialized() or dist.get_backend() == "fake":
-        return None  # a fake process group stands for one rank
+    if not _peers_mod.has_peers():
+        return None  # a fake or emulated process group: no other process to agree with
     groups: set[tuple[int, ...]] = set()
     timeouts = []
     for n in gm.graph.nodes:

@@ -22,7 +22,7 @@ something else, and so ends, much later, with the wrong diagnosis. Hence:
 What this does to the process, and for how long (the only process-wide effects of ``FsdpGroups``): the
 heartbeat thread, a ``sys.excepthook`` that writes ``failed/<rank>`` and then calls the hook it
 replaced, and an ``atexit`` function that writes ``exited/<rank>``. All three exist only while an
-``FsdpGroups`` on a real process group (not ``fake``) is alive: they start with the first
+``FsdpGroups`` on a process group with peers (not ``fake`` or ``emulated``) is alive: they start with the first
 ``FsdpGroups.create()`` and end with the last ``FsdpGroups.destroy()`` (the thread also ends when its
 process group is destroyed). The previous ``sys.excepthook`` is put back then, unless something
 replaced ours meanwhile; ours then only passes exceptions on.
@@ -112,15 +112,22 @@ def _store() -> dist.Store:
     return default_store()
 
 
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+# Backends on which this process is the only real rank: a fake group, and the emulated world
+# (fsdp_compile/emulate/group.py); nobody else posts to the store, so there is no peer to wait for.
+SOLO_BACKENDS = ("fake", "emulated")
+
+
+def has_peers() -> bool:
+    """Whether other processes share this default process group (and so its store)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() not in SOLO_BACKENDS
+
 
 
 def start() -> None:
     """Start this rank's heartbeat (once per default process group; each call is matched by a
     :func:`release`); a no-op without a real process group."""
     global _heartbeat, _users
-    if not _active():
+    if not has_peers():
         return
     _users += 1
     world = dist.group.WORLD
@@ -201,7 +208,7 @@ def _remove_hooks() -> None:
 
 
 def _note(kind: str, text: str) -> None:
-    if _heartbeat is None or not _active():
+    if _heartbeat is None or not has_peers():
         return
     try:
         _store().set(f"{_NS}{kind}/{_heartbeat.rank}", text)

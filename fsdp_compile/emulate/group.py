@@ -1,0 +1,365 @@
+"""The emulated process group: this process is rank 0 of a world of N, and every collective is timed, not sent.
+
+NOTE [emulated backend]: ``init_emulated_world(world)`` registers the backend ``"emulated"`` through
+torch's public ``Backend.register_backend`` and makes it the default process group (rank 0 of
+``world``, an in-process store). Every group made after that, by anyone (``FsdpGroups``, FSDP2's
+``DeviceMesh``, SimpleFSDP's), is an :class:`EmulatedGroup`, and every collective reaches it: eager
+``torch.distributed`` calls, the functional collectives that compiled code calls (``_out`` forms
+included), coalesced forms, all-reduce, broadcast, barrier. Nothing in the callers is patched.
+
+A group is one communicator: one CUDA stream that runs its collectives one at a time, as an NCCL
+communicator does. A collective waits for the caller's current stream at launch, runs the kernel of
+NOTE [emulated kernel] on the group's stream, and keeps its tensors alive there (``record_stream``);
+``Work.wait()`` makes the caller's current stream wait for it. On CPU tensors the data is moved at once
+and no time is modelled (the bookkeeping runs without a GPU). Values: every rank's part holds rank 0's
+data, so losses are not those of a real run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_compile._compat import register_collective_work, resolve_group
+from fsdp_compile.emulate.timing import EmulatedTopology
+
+__all__ = ["BACKEND", "EmulatedGroup", "Ledger", "init_emulated_world", "emulated_topology", "ledger"]
+
+BACKEND = "emulated"
+
+
+@dataclass
+class Ledger:
+    """Collectives seen, per kind: ``calls[kind]`` launches and ``bytes[kind]`` bytes of full buffers."""
+
+    calls: Counter[str] = field(default_factory=Counter)
+    bytes: Counter[str] = field(default_factory=Counter)
+
+    def add(self, kind: str, full_bytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += full_bytes
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+@dataclass
+class _State:
+    topology: EmulatedTopology
+    ledger: Ledger = field(default_factory=Ledger)
+    active: dict[int, torch.Tensor] = field(default_factory=dict)  # device index -> running collectives
+
+
+_state: _State | None = None
+
+
+def emulated_topology() -> EmulatedTopology | None:
+    """The topology of the emulated world this process plays in, or ``None``."""
+    return _state.topology if _state is not None else None
+
+
+def ledger() -> Ledger:
+    """The collectives counted since the emulated world started (or since ``ledger().clear()``)."""
+    if _state is None:
+        raise RuntimeError("ledger(): no emulated world; call fsdp_compile.emulate.init_emulated_world(world) first")
+    return _state.ledger
+
+
+class _Work(dist._Work):
+    """A launched emulated collective: ``wait()`` orders the caller's current stream after it."""
+
+    def __init__(self, event: torch.cuda.Event | None, result: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._event, self._result = event, result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._event is not None:
+            torch.cuda.current_stream(self._event.device).wait_event(self._event)  # type: ignore[arg-type]
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+def _scale(op: Any, n: int, kind: str) -> float:
+    """What every rank holding the same data makes of ``op``: a reduce-scatter sums its n chunks (a mean
+    for AVG); an all-reduce of n equal buffers is n times one for SUM, one buffer for the rest."""
+    if op == dist.ReduceOp.AVG:
+        return 1.0 / n if kind == "reduce_scatter" else 1.0
+    if op == dist.ReduceOp.SUM:
+        return 1.0 if kind == "reduce_scatter" else float(n)
+    return 1.0 / n if kind == "reduce_scatter" else 1.0
+
+
+def _flat(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.is_contiguous() and t.dtype.is_floating_point
+
+
+class EmulatedGroup(dist.ProcessGroup):
+    """One communicator of the emulated world (NOTE [emulated backend])."""
+
+    def __init__(self, rank: int, size: int, ranks: Sequence[int]) -> None:
+        super().__init__(rank, size)
+        self._ranks = list(ranks)
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._flags: dict[int, torch.Tensor] = {}
+        self._token = 0
+        self._name = self._desc = ""
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's names, called from C++)
+        return BACKEND
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    def __repr__(self) -> str:
+        return f"EmulatedGroup(ranks {self._ranks[0]}..{self._ranks[-1]} of {len(self._ranks)})"
+
+    # --- one launch ------------------------------------------------------------------------------
+
+    def _launch(self, kind: str, full_bytes: int, tensors: Sequence[torch.Tensor], move: Callable[[], None],
+                result: list[torch.Tensor], kernel: tuple[torch.Tensor | None, torch.Tensor, str, float] | None = None,
+                ) -> _Work:
+        """Count the collective, then run it: ``kernel`` = (src, dst, mode, scale) on the GPU where it
+        applies, else ``move`` (torch ops) followed by a timing-only kernel; on CPU, ``move`` at once."""
+        assert _state is not None, "an emulated group outlived its world"
+        _state.ledger.add(kind, full_bytes)
+        cuda = [t for t in tensors if t.is_cuda]
+        if not cuda:
+            move()
+            return _Work(None, result)
+        from fsdp_compile.emulate import kernels  # needs triton: imported where a GPU is in use
+
+        device = cuda[0].device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+            self._flags[index] = torch.zeros(1, dtype=torch.int64, device=device)
+        if index not in _state.active:
+            _state.active[index] = torch.zeros(1, dtype=torch.int64, device=device)
+        stream, caller = self._streams[index], torch.cuda.current_stream(index)
+        stream.wait_stream(caller)
+        self._token += 1
+        solo_ns = int(_state.topology.solo_seconds(kind if kind in _TIMED else "all_to_all", full_bytes,
+                                                   self._ranks) * 1e9)
+        with torch.cuda.stream(stream):
+            src, dst, mode, scale = kernel if kernel is not None else (None, None, "none", 1.0)
+            if kernel is None:
+                move()
+            kernels.launch(kind, src=src, dst=dst, mode=mode, scale=scale, active=_state.active[index],
+                           flag=self._flags[index], token=self._token, solo_ns=solo_ns,
+                           shared=_state.topology.shared, blocks=_state.topology.blocks)
+            done = torch.cuda.Event()
+            done.record(stream)
+        for t in cuda:
+            t.record_stream(stream)
+        return _Work(done, result)
+
+    # --- all-gather ------------------------------------------------------------------------------
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
+        n = self.size()
+
+        def move() -> None:
+            output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
+
+        kernel = (input, output, "gather", 1.0) if _flat(output) and input.is_contiguous() else None
+        return self._launch("all_gather", output.numel() * output.element_size(), [output, input], move,
+                            [output], kernel)
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> _Work:
+        def move() -> None:
+            for outs, inp in zip(output_tensors, input_tensors):
+                for o in outs:
+                    o.copy_(inp)
+
+        outs = [o for os in output_tensors for o in os]
+        full = sum(o.numel() * o.element_size() for o in outs)
+        return self._launch("all_gather", full, outs + list(input_tensors), move, outs)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> _Work:
+        n = self.size()
+
+        def move() -> None:
+            for o, i in zip(outputs, inputs):
+                o.view(n, -1).copy_(i.reshape(1, -1).expand(n, -1))
+
+        full = sum(o.numel() * o.element_size() for o in outputs)
+        return self._launch("all_gather", full, list(outputs) + list(inputs), move, list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # --- reduce-scatter --------------------------------------------------------------------------
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
+        n, scale = self.size(), _scale(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self.size(),
+                                       "reduce_scatter")
+
+        def move() -> None:
+            torch.sum(input.reshape(n, -1), dim=0, out=output.view(-1)).mul_(scale) if output.dtype.is_floating_point \
+                else output.view(-1).copy_(input.reshape(n, -1)[0])
+
+        kernel = (input, output, "reduce", scale) if _flat(output) and input.is_contiguous() else None
+        return self._launch("reduce_scatter", input.numel() * input.element_size(), [output, input], move,
+                            [output], kernel)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts: Any = None) -> _Work:
+        scale = _scale(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self.size(), "reduce_scatter")
+
+        def move() -> None:
+            for o, ins in zip(outputs, input_lists):
+                if o.dtype.is_floating_point:
+                    torch.stack(list(ins)).sum(0, out=o).mul_(scale)
+                else:
+                    o.copy_(ins[0])
+
+        ins = [i for il in input_lists for i in il]
+        full = sum(i.numel() * i.element_size() for i in ins)
+        return self._launch("reduce_scatter", full, list(outputs) + ins, move, list(outputs))
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> _Work:
+        n, scale = self.size(), _scale(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self.size(),
+                                       "reduce_scatter")
+
+        def move() -> None:
+            for o, i in zip(outputs, inputs):
+                if o.dtype.is_floating_point:
+                    torch.sum(i.reshape(n, -1), dim=0, out=o.view(-1)).mul_(scale)
+                else:
+                    o.view(-1).copy_(i.reshape(n, -1)[0])
+
+        full = sum(i.numel() * i.element_size() for i in inputs)
+        return self._launch("reduce_scatter", full, list(outputs) + list(inputs), move, list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # --- all-reduce, broadcast, barrier, all-to-all ----------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        scale = _scale(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self.size(), "all_reduce")
+
+        def move() -> None:
+            if scale != 1.0:
+                for t in tensors:
+                    t.mul_(int(scale) if not t.dtype.is_floating_point else scale)
+
+        full = sum(t.numel() * t.element_size() for t in tensors)
+        one = len(tensors) == 1 and _flat(tensors[0]) and scale != 1.0
+        kernel = (None, tensors[0], "inplace", scale) if one else None
+        return self._launch("all_reduce", full, list(tensors), move, list(tensors), kernel)
+
+    allreduce_coalesced = allreduce
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        full = sum(t.numel() * t.element_size() for t in tensors)
+        return self._launch("broadcast", full, list(tensors), lambda: None, list(tensors))
+
+    def barrier(self, opts: Any = None) -> _Work:
+        assert _state is not None
+        _state.ledger.add("barrier", 0)
+        return _Work(None, [])
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
+                          input_split_sizes: Any = None, opts: Any = None) -> _Work:
+        def move() -> None:
+            output.view(-1)[: min(output.numel(), input.numel())].copy_(input.view(-1)[: output.numel()])
+
+        return self._launch("all_to_all", input.numel() * input.element_size(), [output, input], move, [output])
+
+    alltoall_base = all_to_all_single
+
+    def send(self, *args: Any) -> _Work:
+        raise NotImplementedError("the emulated world has no other process: send/recv (pipeline parallelism) "
+                                  "cannot be emulated; run data-parallel collectives only")
+
+    recv = send
+
+
+_TIMED = {"all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "barrier"}
+
+
+def _create(opts: Any, backend_options: Any) -> EmulatedGroup:
+    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    return EmulatedGroup(opts.group_rank, opts.group_size, ranks)
+
+
+_out_forms: torch.library.Library | None = None
+
+
+def _all_gather_out(input: torch.Tensor, group_size: int, group: Any, *, out: torch.Tensor) -> torch.Tensor:
+    pg = resolve_group(group) if isinstance(group, str) else group
+    work = dist.all_gather_into_tensor(out, input, group=pg, async_op=True)
+    register_collective_work(out, work)
+    return out
+
+
+def _install_out_forms() -> None:
+    """Route ``_c10d_functional.all_gather_into_tensor_out`` through the group's Python method.
+
+    Torch's kernel for this op asks the group for a C++ backend per device, which a process group
+    written in Python has not; the others dispatch to the group's own methods already. This kernel does
+    what torch's does (launch, then register the work for ``wait_tensor``) through public calls.
+    """
+    global _out_forms
+    if _out_forms is None:
+        _out_forms = torch.library.Library("_c10d_functional", "IMPL")
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": meant
+            warnings.simplefilter("ignore")
+            _out_forms.impl("all_gather_into_tensor_out", _all_gather_out, "CompositeExplicitAutograd")
+
+
+def init_emulated_world(topology: EmulatedTopology) -> EmulatedTopology:
+    """Make this process rank 0 of ``topology.world`` ranks on the emulated backend (NOTE [emulated backend]).
+
+    Call it where ``init_process_group`` would be called; every group made afterwards is emulated.
+    ``dist.destroy_process_group()`` ends the world.
+    """
+    global _state
+    if dist.is_initialized():
+        raise RuntimeError(
+            "init_emulated_world: a default process group exists already; call it instead of "
+            "init_process_group, or dist.destroy_process_group() first."
+        )
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    _state = _State(topology)
+    _install_out_forms()
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=topology.world)
+    return topology

@@ -38,3 +38,12 @@ __all__ = [
     "set_optimizer_state_dict",
     "set_requires_gradient_sync",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``fsdp_compile.emulate`` after a plain ``import fsdp_compile``, loaded when first named (PEP 562)."""
+    if name == "emulate":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.emulate")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,8 @@ kernel]), and ``measure.py`` times training steps and reads a trace for exposed 
 """
 
 from fsdp_compile.emulate.group import BACKEND, EmulatedGroup, Ledger, emulated_topology, init_emulated_world, ledger
+from fsdp_compile.emulate.measure import StepReport, measure_steps
 from fsdp_compile.emulate.timing import KINDS, EmulatedTopology
 
 __all__ = ["BACKEND", "KINDS", "EmulatedGroup", "EmulatedTopology", "Ledger", "emulated_topology",
-           "init_emulated_world", "ledger"]
+           "init_emulated_world", "ledger", "measure_steps", "StepReport"]

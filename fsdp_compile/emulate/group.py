@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from fsdp_compile._compat import register_collective_work, resolve_group
 from fsdp_compile.emulate.timing import EmulatedTopology
+from fsdp_compile.inspect.hardware import Hardware, load_hardware
 
 __all__ = ["BACKEND", "EmulatedGroup", "Ledger", "init_emulated_world", "emulated_topology", "ledger"]
 
@@ -345,11 +346,14 @@ def _install_out_forms() -> None:
             _out_forms.impl("all_gather_into_tensor_out", _all_gather_out, "CompositeExplicitAutograd")
 
 
-def init_emulated_world(topology: EmulatedTopology) -> EmulatedTopology:
-    """Make this process rank 0 of ``topology.world`` ranks on the emulated backend (NOTE [emulated backend]).
+def init_emulated_world(world: int | EmulatedTopology, *, hosts: int = 1, hardware: str | Hardware = "h200",
+                        calibration: str | None = None, blocks: int = 16, shared: float = 1.27) -> EmulatedTopology:
+    """Make this process rank 0 of ``world`` ranks on ``hosts`` hosts, on the emulated backend.
 
-    Call it where ``init_process_group`` would be called; every group made afterwards is emulated.
-    ``dist.destroy_process_group()`` ends the world.
+    Call it where ``init_process_group`` would be called; every group made afterwards is emulated
+    (NOTE [emulated backend]); ``dist.destroy_process_group()`` ends the world. ``hardware`` is a preset
+    name or a ``Hardware``, ``calibration`` a JSON of measured numbers over it; ``blocks`` and ``shared``
+    as in ``EmulatedTopology``. Returns the topology, whose ``solo_seconds`` says what a collective costs.
     """
     global _state
     if dist.is_initialized():
@@ -359,6 +363,8 @@ def init_emulated_world(topology: EmulatedTopology) -> EmulatedTopology:
         )
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    topology = world if isinstance(world, EmulatedTopology) else EmulatedTopology(
+        world, load_hardware(hardware, calibration), hosts=hosts, blocks=blocks, shared=shared)
     _state = _State(topology)
     _install_out_forms()
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=topology.world)

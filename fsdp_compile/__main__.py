@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from fsdp_compile.examples import demo
-from fsdp_compile.inspect.cost import HARDWARE
-from fsdp_compile.inspect.explain import explain
+from fsdp_compile.inspection.cost import HARDWARE
+from fsdp_compile.inspection.explain import explain
 from fsdp_compile.examples.models import PRESETS
 
 

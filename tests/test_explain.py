@@ -14,8 +14,8 @@ import torch
 from expecttest import TestCase
 
 from fsdp_compile.__main__ import main as cli
-from fsdp_compile.inspect.explain import Explanation, explain
-from fsdp_compile.inspect.logs import logs_on_rank
+from fsdp_compile.inspection.explain import Explanation, explain
+from fsdp_compile.inspection.logs import logs_on_rank
 from fsdp_compile.examples.models import PRESETS, ModelConfig
 
 from .graph_utils import ThreeUnits
@@ -177,8 +177,8 @@ def test_auto_prefetch_follows_the_cost_model(groups: object) -> None:
     """Slow links: prefetching pays, "auto" prefetches. Instant links: nothing to hide, depth 0."""
     import dataclasses
 
-    from fsdp_compile.inspect.autotune import choose
-    from fsdp_compile.inspect.cost import HARDWARE
+    from fsdp_compile.inspection.autotune import choose
+    from fsdp_compile.inspection.cost import HARDWARE
 
     from .graph_utils import capture, shard_blocks_then_root
 

@@ -7,7 +7,7 @@ import torch
 
 from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile.examples.models import Transformer
-from passes.predicates import is_all_gather, is_reduce_scatter
+from fsdp_compile.passes.predicates import is_all_gather, is_reduce_scatter
 
 from .graph_utils import SMALL, capture, collectives, gathered_values, shard_blocks_then_root
 

@@ -1,7 +1,7 @@
 """The order of collective launches and waits survives Inductor: read its generated code.
 
 Inductor's own memory-driven reordering would move waits back next to their launches; the backend
-pins the schedule (NOTE [pinning the schedule] in fsdp_compile/compile/backend.py). These tests compile the
+pins the schedule (NOTE [pinning the schedule] in fsdp_compile/compiler/backend.py). These tests compile the
 3-unit model of tests/test_schedules.py with Inductor under a fake process group and compare the
 launches and waits in the generated code with the scheduled FX graph's.
 """
@@ -21,9 +21,9 @@ from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile.safety import agreement
 
 from fsdp_compile.safety import lockstep
-from fsdp_compile.compile.backend import observe_graphs
-from fsdp_compile.inspect.schedule import rows
-from passes.predicates import is_all_gather, waited_collective
+from fsdp_compile.compiler.backend import observe_graphs
+from fsdp_compile.inspection.schedule import rows
+from fsdp_compile.passes.predicates import is_all_gather, waited_collective
 
 from .graph_utils import FakeWorldTestCase, ThreeUnits, shard_blocks_then_root
 from .test_outline import Mlp
@@ -144,6 +144,6 @@ class OutputStridesTest(FakeWorldTestCase):
 
     def test_unmarked_outputs_come_back_padded(self) -> None:
         # The control: without the marks, Inductor pads the weights' gradients (row stride 1056).
-        with mock.patch("fsdp_compile.compile.backend.keep_output_strides", lambda gm, outputs: None):
+        with mock.patch("fsdp_compile.compiler.backend.keep_output_strides", lambda gm, outputs: None):
             strides = self.grad_strides(outline=False)
         self.assertIn((1056, 1), [g for _, g in strides])

@@ -7,9 +7,9 @@ import torch
 from expecttest import TestCase
 from torch import Tensor
 
-from passes.lower.bucket import bucket_pass
-from passes.lower.per_param import lower_unshard_pass
-from passes.predicates import fsdp_meta
+from fsdp_compile.passes.lower.bucket import bucket_pass
+from fsdp_compile.passes.lower.per_param import lower_unshard_pass
+from fsdp_compile.passes.predicates import fsdp_meta
 
 from .pass_graphs import (
     WIDTH, assert_same, backward_graph, bucketed, forward_graph, gathers, ints, launches, lowered, one_param, ops,

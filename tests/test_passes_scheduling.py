@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from expecttest import TestCase
 
-from passes.predicates import fsdp_meta, wait_of
-from passes.schedule.prefetch import prefetch_pass
-from passes.schedule.reduce_scatter import reduce_scatter_pass
-from passes.schedule.streams import check_streams, streams_pass
+from fsdp_compile.passes.predicates import fsdp_meta, wait_of
+from fsdp_compile.passes.schedule.prefetch import prefetch_pass
+from fsdp_compile.passes.schedule.reduce_scatter import reduce_scatter_pass
+from fsdp_compile.passes.schedule.streams import check_streams, streams_pass
 
 from .pass_graphs import (
     WIDTH, backward_graph, bucketed, forward_graph, gather_chain, gathers, launches, scatters, sched, show,

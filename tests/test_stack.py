@@ -25,12 +25,12 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend
-from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import Transformer, loss_fn
-from fsdp_compile.inspect.schedule import group_labels, listing
+from fsdp_compile.inspection.schedule import group_labels, listing
 from fsdp_compile.api.stack import BlockStack, stack_of
 from fsdp_compile.api.units import unit_of
-from passes.capture.unroll import unroll_scans_pass
+from fsdp_compile.passes.capture.unroll import unroll_scans_pass
 
 from .graph_utils import SMALL, FakeWorldTestCase, capture, fake_process_group, shard_blocks_then_root
 from .test_inductor_order import emitted_order, fx_order

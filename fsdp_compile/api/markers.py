@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from passes.graph_ops import REDUCE_GRAD_ARGS, UNSHARD_ARGS, by_name, in_order
+from fsdp_compile.passes.graph_ops import REDUCE_GRAD_ARGS, UNSHARD_ARGS, by_name, in_order
 
 __all__ = ["ANONYMOUS_UNIT", "unshard", "reduce_grad", "reduce_full_grad", "shard_rows"]
 

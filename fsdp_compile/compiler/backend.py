@@ -37,26 +37,26 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from passes import NamedPass, run_passes
-from passes.capture.group_markers import group_markers_pass
-from passes.capture.inline import inline_subgraphs_pass
-from passes.capture.outline import outline_blocks_pass
-from passes.capture.unroll import unroll_scans_pass
-from passes.lower.bucket import bucket_pass
-from passes.lower.expand_markers import expand_markers_pass
-from passes.lower.grouped import lower_grouped_pass
-from passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
-from passes.lower.share import share_subgraphs_pass
-from passes.lower.tiles import tiles_pass
-from passes.schedule.absorb import absorb_copies_pass
-from passes.schedule.prefetch import prefetch_pass
-from passes.schedule.reduce_scatter import SCHEDULES, reduce_scatter_pass
-from passes.schedule.streams import check_streams, streams_pass
+from fsdp_compile.passes import NamedPass, run_passes
+from fsdp_compile.passes.capture.group_markers import group_markers_pass
+from fsdp_compile.passes.capture.inline import inline_subgraphs_pass
+from fsdp_compile.passes.capture.outline import outline_blocks_pass
+from fsdp_compile.passes.capture.unroll import unroll_scans_pass
+from fsdp_compile.passes.lower.bucket import bucket_pass
+from fsdp_compile.passes.lower.expand_markers import expand_markers_pass
+from fsdp_compile.passes.lower.grouped import lower_grouped_pass
+from fsdp_compile.passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
+from fsdp_compile.passes.lower.share import share_subgraphs_pass
+from fsdp_compile.passes.lower.tiles import tiles_pass
+from fsdp_compile.passes.schedule.absorb import absorb_copies_pass
+from fsdp_compile.passes.schedule.prefetch import prefetch_pass
+from fsdp_compile.passes.schedule.reduce_scatter import SCHEDULES, reduce_scatter_pass
+from fsdp_compile.passes.schedule.streams import check_streams, streams_pass
 
 from fsdp_compile.api import markers as _ops  # noqa: F401  (registers the marker ops)
 from fsdp_compile.safety import agreement
-from fsdp_compile.inspect import autotune
-from fsdp_compile.compile import cache
+from fsdp_compile.inspection import autotune
+from fsdp_compile.compiler import cache
 from fsdp_compile.safety import lockstep
 from fsdp_compile._compat import (
     aot_autograd,
@@ -76,15 +76,15 @@ from fsdp_compile._compat import (
     structured_trace_on,
     timed,
 )
-from fsdp_compile.inspect.autotune import Choice
-from fsdp_compile.compile.collector import defer_full_collections_while_compiling, no_full_collections
-from fsdp_compile.inspect.cost import Hardware, detect_hardware, load_hardware
-from fsdp_compile.inspect.dump import dump, report
-from fsdp_compile.inspect.logs import log_schedule, schedule_logged
+from fsdp_compile.inspection.autotune import Choice
+from fsdp_compile.compiler.collector import defer_full_collections_while_compiling, no_full_collections
+from fsdp_compile.inspection.cost import Hardware, detect_hardware, load_hardware
+from fsdp_compile.inspection.dump import dump, report
+from fsdp_compile.inspection.logs import log_schedule, schedule_logged
 from fsdp_compile.api.module import OUTLINES, is_outline_candidate
-from fsdp_compile.compile.partition import partition
+from fsdp_compile.compiler.partition import partition
 from fsdp_compile.api.flat_shard import flat_check, is_flat
-from fsdp_compile.compile.outlined_markers import outer_markers
+from fsdp_compile.compiler.outlined_markers import outer_markers
 from fsdp_compile.api.units import is_sharded
 
 __all__ = ["BackendOptions", "make_backend", "fsdp_backend", "observe_graphs"]

@@ -20,7 +20,7 @@ How the model reads a GPU, and what it leaves out:
   traffic once.
 - Each kernel costs at least ``kernel_latency``.
 
-The estimates rank schedules and show where communication is exposed (``fsdp_compile.inspect.timeline``);
+The estimates rank schedules and show where communication is exposed (``fsdp_compile.inspection.timeline``);
 against six measured H200 steps they land within 12% (README, "See the schedule";
 ``benchmarks/calibration/check_explain.py``).
 """
@@ -33,7 +33,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from passes.predicates import (
+from fsdp_compile.passes.predicates import (
     collective_kind,
     is_all_gather,
     is_collective,
@@ -44,7 +44,7 @@ from passes.predicates import (
 )
 
 from fsdp_compile._compat import resolve_group
-from fsdp_compile.inspect.hardware import HARDWARE, Hardware, detect_hardware, load_hardware, write_calibration
+from fsdp_compile.inspection.hardware import HARDWARE, Hardware, detect_hardware, load_hardware, write_calibration
 
 __all__ = [
     "Hardware",

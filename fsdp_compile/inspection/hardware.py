@@ -5,7 +5,7 @@
 
     hw = load_hardware("h200", "benchmarks/calibration/h200x2.json")
 
-How the numbers are used is in ``fsdp_compile.inspect.cost``; where the H200's come from is
+How the numbers are used is in ``fsdp_compile.inspection.cost``; where the H200's come from is
 ``benchmarks/calibration/h200_kernels.json`` (``benchmarks/calibration/measure_kernels.py`` on one H200).
 """
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from passes.collective_regions import regions
-from passes.schedule.prefetch import prefetch_pass
-from passes.schedule.reduce_scatter import reduce_scatter_pass
-from passes.schedule.streams import streams_pass
+from fsdp_compile.passes.collective_regions import regions
+from fsdp_compile.passes.schedule.prefetch import prefetch_pass
+from fsdp_compile.passes.schedule.reduce_scatter import reduce_scatter_pass
+from fsdp_compile.passes.schedule.streams import streams_pass
 
-from fsdp_compile.inspect.cost import Hardware
-from fsdp_compile.inspect.timeline import simulate
+from fsdp_compile.inspection.cost import Hardware
+from fsdp_compile.inspection.timeline import simulate
 
 __all__ = ["Choice", "choose"]
 

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes.capture.hoist import hoist_unshards_pass
-from passes.capture.inline import inline_subgraphs_pass
-from passes.predicates import UnshardArgs, flat_piece, is_reduce_grad, is_unshard
-from passes.subgraphs import holds, subgraph_calls
+from fsdp_compile.passes.capture.hoist import hoist_unshards_pass
+from fsdp_compile.passes.capture.inline import inline_subgraphs_pass
+from fsdp_compile.passes.predicates import UnshardArgs, flat_piece, is_reduce_grad, is_unshard
+from fsdp_compile.passes.subgraphs import holds, subgraph_calls
 
 from fsdp_compile.api.flat_shard import flat_member
 from fsdp_compile.api.markers import ANONYMOUS_UNIT

@@ -25,14 +25,12 @@ from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.output_code import OutputCode
 from torch._logging import _internal as _logging_internal
-from torch._logging._internal import getArtifactLogger
 from torch._ops import OpOverload
 
 __all__ = [
     "DisableTorchFunctionSubclass",
     "OpOverload",
     "assume_constant_result",
-    "register_log_artifact",
     "trace_structured_artifact",
     "aot_autograd",
     "compile_fx_inner",
@@ -41,7 +39,6 @@ __all__ = [
     "donate_no_saved_tensors",
     "forward_user_outputs",
     "group_timeout_s",
-    "getArtifactLogger",
     "inductor_config_patch",
     "inductor_joint_graph_passes",
     "inductor_pre_grad_passes",
@@ -411,13 +408,6 @@ def restarts_the_trace(error: BaseException) -> bool:
     """Whether ``error`` is Dynamo asking to trace the frame again (``RestartAnalysis`` and its kin,
     raised through a backend): it must reach Dynamo, never be handled as a failure."""
     return isinstance(error, torch._dynamo.exc.RestartAnalysis)
-
-
-def register_log_artifact(name: str, description: str, *, enable: bool) -> None:
-    """Register a ``TORCH_LOGS`` artifact, off by default; switched on now when ``enable``."""
-    _logging_internal.register_artifact(name, description, off_by_default=True)
-    if enable and not _logging_internal.log_state.is_artifact_enabled(name):
-        _logging_internal.log_state.enable_artifact(name)
 
 
 def trace_structured_artifact(name: str, payload_fn: Callable[[], str]) -> None:

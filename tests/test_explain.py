@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from expecttest import TestCase
 
 from fsdp_compile.__main__ import main as cli
 from fsdp_compile.inspection.explain import Explanation, explain
-from fsdp_compile.inspection.logs import logs_on_rank
+from fsdp_compile.inspection.logs import logs_on_rank, schedule_logged
 from fsdp_compile.examples.models import PRESETS, ModelConfig
 
 from .graph_utils import ThreeUnits
@@ -218,14 +219,30 @@ for rank, setting in [(0, None), (1, None), (1, "all")]:
 """
 
 
-def test_torch_logs_artifact() -> None:
-    """TORCH_LOGS=fsdp_schedule, beside another setting, prints each compiled graph's table, groups
-    labelled as in explain (the artifact is registered at torch import through the package's
-    ``torch.backends`` entry point; on torch 2.11, which validates the setting first, it passes as the
-    ``fsdp_schedule`` module's name, see ``fsdp_schedule.py``); rank 0 alone unless
-    FSDP_COMPILE_LOG_RANKS says otherwise."""
+def test_schedules_are_logged_where_our_loggers_ask() -> None:
+    """A level on the package's loggers (what TORCH_LOGS=fsdp_compile sets) turns the tables on; the root
+    logger's level does not (NOTE [schedules in TORCH_LOGS])."""
+    root, package = logging.getLogger(), logging.getLogger("fsdp_compile")
+    levels = root.level, package.level
+    try:
+        root.setLevel(logging.INFO)
+        package.setLevel(logging.NOTSET)
+        assert not schedule_logged()
+        package.setLevel(logging.INFO)
+        assert schedule_logged()
+        package.setLevel(logging.WARNING)
+        assert not schedule_logged()
+    finally:
+        root.setLevel(levels[0])
+        package.setLevel(levels[1])
+
+
+def test_torch_logs_prints_the_schedule() -> None:
+    """TORCH_LOGS=fsdp_compile, beside another setting, prints each compiled graph's table, groups labelled
+    as in explain (NOTE [schedules in TORCH_LOGS]: torch finds the package and turns its loggers on); rank 0
+    alone unless FSDP_COMPILE_LOG_RANKS says otherwise."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what is on it
-    env = {**os.environ, "TORCH_LOGS": "recompiles,fsdp_schedule", "PYTHONPATH": path}
+    env = {**os.environ, "TORCH_LOGS": "recompiles,fsdp_compile", "PYTHONPATH": path}
     env.pop("FSDP_COMPILE_LOG_RANKS", None)
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

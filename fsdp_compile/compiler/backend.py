@@ -322,7 +322,7 @@ def make_backend(**options: Any) -> Any:
     sharded with.
     With Inductor's caches on (torch's default), a later process start loads what this backend compiled
     instead of compiling again (NOTE [warm start] in ``cache.py``); ``dump_dir``, ``log_pass_diffs``,
-    ``observe_graphs``, ``TORCH_LOGS=fsdp_schedule`` and ``TORCH_TRACE`` (tlparse) compile afresh, so that
+    ``observe_graphs``, ``TORCH_LOGS=fsdp_compile`` and ``TORCH_TRACE`` (tlparse) compile afresh, so that
     they show the schedule.
     """
     known = [f.name for f in fields(BackendOptions)]

@@ -20,7 +20,7 @@ compile-time steps: the lockstep check-in and the agreement check therefore live
 graph (``fsdp::check_in``, NOTE [lockstep]) so a loaded graph still does them.
 
 The backend bypasses the cache where a user asks to see each compile: schedule dumps, pass diffs,
-``observe_graphs``, the ``fsdp_schedule`` log, torch's structured trace (``TORCH_TRACE``, whose
+``observe_graphs``, the schedule log (``TORCH_LOGS=fsdp_compile``), torch's structured trace (``TORCH_TRACE``, whose
 schedule artifacts tlparse shows), and ``inductor=False`` (nothing serializable).
 """
 

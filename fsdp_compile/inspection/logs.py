@@ -1,11 +1,12 @@
-"""Schedules in logs: ``TORCH_LOGS=fsdp_schedule`` and tlparse (structured trace) entries.
+"""Schedules in logs: ``TORCH_LOGS=fsdp_compile`` and tlparse (structured trace) entries.
 
-NOTE [the fsdp_schedule artifact]: ``import fsdp_compile`` registers the ``fsdp_schedule`` logging
-artifact (nothing runs at ``import torch``). Torch checks ``TORCH_LOGS`` at its own import, before the
-artifact exists; the setting passes that check because ``fsdp_schedule`` is also the name of an empty
-top-level module (``fsdp_schedule.py``), and registering the artifact here switches it on when
-``TORCH_LOGS`` names it. After import, torch's ``set_logs(modules={"fsdp_schedule": True})`` switches it
-on too (``set_logs`` takes artifacts registered outside torch through ``modules``).
+NOTE [schedules in TORCH_LOGS]: the schedule table goes to this module's Python logger at INFO, so
+``TORCH_LOGS=fsdp_compile`` (torch's setting for the logs of any module it can find: the package and
+every module in it) prints it, with fsdp-compile's other INFO lines; ``TORCH_LOGS=fsdp_compile.inspection.logs``
+prints the tables alone, and in code ``torch._logging.set_logs(modules={"fsdp_compile": logging.INFO})``
+does the same. To find the modules, torch imports ``fsdp_compile`` at ``import torch`` when the setting
+names it. A level set on these loggers turns the tables on, not one inherited from the root logger: an
+application's ``logging.basicConfig(level=logging.INFO)`` does not (the tables cost a compile from the cache).
 
 The text log comes from rank 0 alone by default (every rank compiles the same schedule: the agreement
 check makes sure of it); ``FSDP_COMPILE_LOG_RANKS=all`` (or a list, ``0,3``) logs from other ranks
@@ -20,29 +21,13 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from fsdp_compile._compat import getArtifactLogger, register_log_artifact, trace_structured_artifact
+from fsdp_compile._compat import trace_structured_artifact
 
-__all__ = ["ARTIFACT", "log_schedule", "LOG_RANKS_ENV", "logs_on_rank"]
+__all__ = ["log_schedule", "LOG_RANKS_ENV", "logs_on_rank", "schedule_logged"]
 
 LOG_RANKS_ENV = "FSDP_COMPILE_LOG_RANKS"
-ARTIFACT = "fsdp_schedule"
 
-
-def _requested() -> bool:
-    """Whether ``TORCH_LOGS`` names the artifact (``+`` and ``-`` prefixes allowed, as torch allows)."""
-    return any(name.strip().lstrip("+-") == ARTIFACT for name in os.environ.get("TORCH_LOGS", "").split(","))
-
-
-def _register() -> None:
-    """Register the artifact (NOTE [the fsdp_schedule artifact]); on where ``TORCH_LOGS`` names it."""
-    register_log_artifact(ARTIFACT,
-                          "fsdp-compile: the scheduled collectives of each compiled graph, with estimated times",
-                          enable=_requested())
-
-
-_register()
-# A child of the "torch" logger, so that the handlers TORCH_LOGS configures print it.
-_log = getArtifactLogger("torch.fsdp_compile", ARTIFACT)
+_log = logging.getLogger(__name__)
 
 
 def logs_on_rank(rank: int, setting: str | None) -> bool:
@@ -59,17 +44,23 @@ def logs_on_rank(rank: int, setting: str | None) -> bool:
 
 
 def schedule_logged() -> bool:
-    """Whether schedules are logged here (``TORCH_LOGS=fsdp_schedule``)."""
-    return _log.isEnabledFor(logging.DEBUG)
+    """Whether schedules are logged here: a level at or below INFO set on this module's logger or on a
+    parent below the root (NOTE [schedules in TORCH_LOGS])."""
+    logger: logging.Logger | None = _log
+    while logger is not None and logger.parent is not None:  # (the root logger has no parent)
+        if logger.level != logging.NOTSET:
+            return logger.level <= logging.INFO
+        logger = logger.parent
+    return False
 
 
 def log_schedule(kind: str, text_fn: Callable[[], str]) -> None:
-    """Log a compiled graph's schedule table to the artifact logger (on the ranks of ``logs_on_rank``)
+    """Log a compiled graph's schedule table to this module's logger (on the ranks of ``logs_on_rank``)
     and to the structured trace (every rank).
 
     ``text_fn`` is called only when one of them is enabled.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if _log.isEnabledFor(logging.DEBUG) and logs_on_rank(rank, os.environ.get(LOG_RANKS_ENV)):
-        _log.debug("fsdp-compile %s schedule (rank %d):\n%s", kind, rank, text_fn())
+    if schedule_logged() and logs_on_rank(rank, os.environ.get(LOG_RANKS_ENV)):
+        _log.info("fsdp-compile %s schedule (rank %d):\n%s", kind, rank, text_fn())
     trace_structured_artifact(f"fsdp_schedule_{kind}", text_fn)

@@ -178,6 +178,7 @@ def test_auto_prefetch_follows_the_cost_model(groups: object) -> None:
     """Slow links: prefetching pays, "auto" prefetches. Instant links: nothing to hide, depth 0."""
     import dataclasses
 
+    from fsdp_compile.compiler.pipeline import BackendOptions, scheduler
     from fsdp_compile.inspection.autotune import choose
     from fsdp_compile.inspection.cost import HARDWARE
 
@@ -188,7 +189,7 @@ def test_auto_prefetch_follows_the_cost_model(groups: object) -> None:
     # seconds of compute per unit, a second per collective: hiding collectives is worth a deeper prefetch
     slow_compute = dataclasses.replace(HARDWARE["h200"], peak_flops_fp32=1e6, memory_bandwidth=1e6, collective_latency=1.0)
     instant_links = dataclasses.replace(slow_compute, collective_latency=0.0, intra_node_busbw=1e18)
-    kw = {"prefetch": "auto", "prefetch_bytes": None, "schedule": "eager", "reduce_scatter_bytes": "auto"}
+    kw = {"prefetch": "auto", "reduce_scatter_bytes": "auto", "schedule": scheduler(BackendOptions(prefetch="auto"))}
     assert choose(bucketed["forward"], slow_compute, **kw).prefetch >= 1
     assert choose(bucketed["forward"], instant_links, **kw).prefetch == 0
     cap = choose(bucketed["backward"], slow_compute, **kw).reduce_scatter_bytes

@@ -1,72 +1,37 @@
-"""Outlined bodies before AOTAutograd: every ``fsdp::unshard`` marker moved to the outer graph and named.
+"""Outlined bodies before AOTAutograd: every ``fsdp::unshard`` marker named after the shard it reads.
 
 Dynamo hands the backend each outlined unit's forward as calls of one ``invoke_subgraph`` body (NOTE
-[outlined units] in ``module.py``) whose markers carry no unit or name. :func:`outer_markers` hoists them
-out to the calls (``passes/capture/hoist.py``), inlines the bodies that cannot stay outlined (a marker left
-inside, too few ops, called once, ``make_backend(outline=False)``, or inside another higher-order op's
-body such as an activation-checkpointed block), and names each anonymous marker after the shard it reads.
+[outlined units] in ``module.py``) whose markers carry no unit or name. The capture stage
+(``pipeline.py``) hoists them out to the calls (``passes/capture/hoist.py``), inlines the bodies that
+cannot stay outlined (a marker left inside, too few ops, called once, ``make_backend(outline=False)``,
+or inside another higher-order op's body such as an activation-checkpointed block), then
+:func:`name_markers` gives each anonymous marker the unit and name of the shard it reads: what only the
+compiler knows, as it holds the example inputs and the sharded parameters behind them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx
 
-from fsdp_compile.passes.capture.hoist import hoist_unshards_pass
-from fsdp_compile.passes.capture.inline import inline_subgraphs_pass
 from fsdp_compile.passes.predicates import UnshardArgs, flat_piece, is_reduce_grad, is_unshard
-from fsdp_compile.passes.subgraphs import holds, subgraph_calls
+from fsdp_compile.passes.subgraphs import hop_calls, holds
 
 from fsdp_compile.api.flat_shard import flat_member
 from fsdp_compile.api.markers import ANONYMOUS_UNIT
 from fsdp_compile.api.units import sharded_param
 
-__all__ = ["outer_markers"]
+__all__ = ["name_markers", "worth_a_call"]
 
 
-def outer_markers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, keep_bodies: bool) -> fx.GraphModule:
-    """Every marker outside outlined bodies, and named: hoisted out of them (NOTE [hoisting markers]),
-    bodies that still hold one (or all, unless ``keep_bodies``) inlined, outlined units called inside
-    another higher-order op's body (an activation-checkpointed block) inlined there, then each
-    anonymous marker given the unit and name of the shard it reads (NOTE [outlined units])."""
-    gm = hoist_unshards_pass(gm)
-    uses = {name: len(calls) for name, calls in subgraph_calls(gm).items()}
-    shared = {id(getattr(gm, name)) for name, n in uses.items() if n >= 2}  # one call saves nothing
-    gm = inline_subgraphs_pass(gm, keep=lambda body: keep_bodies and id(body) in shared and _worth_a_call(body))
-    for body in _hop_bodies(gm):
-        inline_subgraphs_pass(body)
+def name_markers(gm: fx.GraphModule, *, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Each anonymous marker of ``gm`` and of the bodies it calls given the unit and name of the shard it
+    reads (NOTE [outlined units])."""
     _name_markers(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
-    gm.recompile()
     return gm
-
-
-# Higher-order ops whose body reads the call's operands from this argument on, in order.
-_HOP_OPERANDS = {torch.ops.higher_order.invoke_subgraph: 2, torch.ops.higher_order.tag_activation_checkpoint: 1}
-
-
-def _hop_calls(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule, int]]:
-    """Each call of a higher-order op in ``gm``: the call, its body, where its operands start."""
-    for node in list(gm.graph.nodes):
-        start = _HOP_OPERANDS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
-        attr = node.args[0] if start is not None else None
-        if isinstance(attr, fx.Node) and attr.op == "get_attr":
-            body = _value(gm, {}, attr)
-            if isinstance(body, fx.GraphModule):
-                yield node, body, start  # type: ignore[misc]
-
-
-def _hop_bodies(gm: fx.GraphModule, seen: set[int] | None = None) -> Iterator[fx.GraphModule]:
-    """Each body of a higher-order op in ``gm``, and in their bodies, outermost first: once, however many
-    calls share it (the one body every outlined block calls)."""
-    seen = set() if seen is None else seen
-    for _, body, _ in _hop_calls(gm):
-        if id(body) not in seen:
-            seen.add(id(body))
-            yield body
-            yield from _hop_bodies(body, seen)
 
 
 def _value(gm: fx.GraphModule, values: dict[fx.Node, object], node: object) -> object:
@@ -97,7 +62,7 @@ def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
             assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
             _set_marker_arg(node, "unit", sp.unit.index)
             _set_marker_arg(node, "name", sp.fqn)
-    for call, body, start in _hop_calls(gm):
+    for call, body, start in hop_calls(gm):
         if holds(body, is_unshard):
             placeholders = body.graph.find_nodes(op="placeholder")
             _name_markers(body, {p: _value(gm, values, a) for p, a in zip(placeholders, call.args[start:])})
@@ -109,7 +74,7 @@ def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
 _MIN_BODY_OPS = 8
 
 
-def _worth_a_call(body: fx.GraphModule) -> bool:
+def worth_a_call(body: fx.GraphModule) -> bool:
     """Keep an outlined body: no marker left inside (NOTE [hoisting markers]), and enough ops."""
     if holds(body, lambda n: is_unshard(n) or is_reduce_grad(n)):
         return False

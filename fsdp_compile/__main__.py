@@ -12,7 +12,7 @@ import torch
 
 from fsdp_compile.examples import demo
 from fsdp_compile.inspection.cost import HARDWARE
-from fsdp_compile.inspection.explain import explain
+from fsdp_compile.examples.explain import explain
 from fsdp_compile.examples.models import PRESETS
 
 

@@ -15,7 +15,7 @@ import torch
 from expecttest import TestCase
 
 from fsdp_compile.__main__ import main as cli
-from fsdp_compile.inspection.explain import Explanation, explain
+from fsdp_compile.examples.explain import Explanation, explain
 from fsdp_compile.inspection.logs import logs_on_rank, schedule_logged
 from fsdp_compile.examples.models import PRESETS, ModelConfig
 

@@ -1,7 +1,7 @@
 """Every private torch API fsdp-compile uses, in one place (supported: torch >= 2.11).
 
 Where these move between releases, the fallback belongs here and nowhere else. Checked on torch 2.13
-(CPU, CI) and 2.11 (CUDA, the H200 machine).
+(CPU, CI) and 2.11 (CUDA).
 """
 
 from __future__ import annotations
@@ -294,9 +294,9 @@ def keep_output_strides(gm: Any, user_outputs: range | None) -> None:
     which keeps the strides the graph was traced with. ``compile_fx``'s own forward and backward
     compilers say which outputs those are (the output node's ``user_visible_output_idxs``: a
     backward's gradients, a forward's model outputs, a body's results); ``compile_fx_inner``, which the
-    backend calls, does not. Unmarked, the gradient of such a weight left the backward padded, and
-    autograd's ``AccumulateGrad`` copied it into the parameter's layout on every step (a strided
-    4096 x 10928 copy per block, 0.11 ms each, on the H200). Saved activations stay unmarked: padding
+    backend calls, does not. Unmarked, the gradient of such a weight leaves the backward padded, and
+    autograd's ``AccumulateGrad`` would copy it into the parameter's layout on every step (a strided
+    copy per block; docs/performance.md). Saved activations stay unmarked: padding
     them is Inductor's choice, as under ``compile_fx``.
     """
     from torch.utils import _pytree as pytree
@@ -371,7 +371,7 @@ def scan_example_values_without_autograd(is_ours: Callable[[], bool]) -> None:
     blocks] in ``stack.py``), it gets the call's output values by running the scan on fake tensors, and
     with inputs that require grad that run goes through scan's autograd kernel, which builds and
     min-cut partitions the body's joint graph (torch 2.11 and 2.13) only to return values whose shapes
-    the plain forward gives: 1.0 s of a 4-block stack's 2.2 s of Dynamo on the H200's host. Our backend
+    the plain forward gives (about half of Dynamo's time on a stack: docs/compile-time.md). Our backend
     unrolls the scan before AOTAutograd, which traces the unrolled calls afresh, so that joint graph is
     never used. This wraps the kernel: while ``is_ours()`` (Dynamo is tracing for a backend of
     ``make_backend``) and no graph is being traced (no proxy mode: only values are computed), the scan

@@ -1,4 +1,4 @@
-"""NOTE [no full collections]: while our backend compiles, and from its call to the end of that Dynamo
+"""(NOTE [no full collections]) While our backend compiles, and from its call to the end of that Dynamo
 compile (guards included), Python's collector runs no full collection; its settings are the user's again
 afterwards, and compiles of other backends are left alone."""
 

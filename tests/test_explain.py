@@ -93,7 +93,7 @@ def test_deeper_prefetch_holds_more_bytes() -> None:
 
 
 def test_extrapolation_matches_a_full_trace_and_tables_say_so() -> None:
-    """NOTE [periodic blocks]: 2 and 3 traced blocks, extended to 5, predict what tracing 5 gives; the
+    """(NOTE [periodic blocks]) 2 and 3 traced blocks, extended to 5, predict what tracing 5 gives; the
     tables and the picture's title say that they show the traced blocks."""
     five = PRESETS["tiny"].with_(n_layers=5)
     full = explain(five, world_size=8, trace_layers=None).summary

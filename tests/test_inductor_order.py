@@ -88,7 +88,7 @@ class InductorOrderTest(FakeWorldTestCase):
             self.assertEqual(emitted, fx, f"Inductor reordered collectives with {kw}")
 
     def test_outlined_calls_keep_their_place(self) -> None:
-        # NOTE [outlined units]: each block is a call of one compiled body; the calls, and the
+        # (NOTE [outlined units]) Each block is a call of one compiled body; the calls, and the
         # collectives around them, run in the scheduled order.
         fx, emitted = self.compiled_orders(Mlp(), grad_in=True)  # (else block 0's body differs: its input)
         self.assertEqual([o.count("call") for o in fx], [3, 3])
@@ -100,7 +100,7 @@ class InductorOrderTest(FakeWorldTestCase):
         self.assertNotEqual(emitted, fx)
 
     def test_the_check_in_runs_before_every_collective(self) -> None:
-        # NOTE [lockstep]: a graph with peers checks in with them first, also when it was loaded from
+        # (NOTE [lockstep]) A graph with peers checks in with them first, also when it was loaded from
         # the caches. A fake group has no peers, so the test gives each graph an identity, and
         # records the check-ins instead of making them.
         identity = agreement.GraphIdentity(kind="", collectives=(), groups=((0, 1),), timeout_s=1.0)

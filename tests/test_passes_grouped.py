@@ -268,7 +268,7 @@ class TestGroupMarkers(TestCase):
 
 
 def test_every_marker_follows_the_one_marker_spec() -> None:
-    """NOTE [one marker spec]: the markers' Python signatures (fsdp_compile/api/markers.py, which
+    """(NOTE [one marker spec]) The markers' Python signatures (fsdp_compile/api/markers.py, which
     ``torch.library.custom_op`` needs) and the readers ``UnshardArgs`` / ``ReduceGradArgs`` name the
     arguments of ``UNSHARD_ARGS`` / ``REDUCE_GRAD_ARGS``, in order and with those schema types; the
     flat markers end with the shared ones."""

@@ -127,7 +127,7 @@ class TestReduceScatter(TestCase):
 14 unpack          unit 0  rs""")
 
     def test_auto_is_one_unit_in_flight(self) -> None:
-        # NOTE [one unit in flight]: a unit's reduce-scatter is waited just before the next unit's launch,
+        # (NOTE [one unit in flight]) A unit's reduce-scatter is waited just before the next unit's launch,
         # as a cap of one bucket does when the buckets are alike
         auto = valid(reduce_scatter_pass(bucketed(backward_graph()), max_bytes="auto"))
         one = valid(reduce_scatter_pass(bucketed(backward_graph()), max_bytes=self.bucket))

@@ -164,8 +164,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Bac
     # their waits (prefetches sink, reduce-scatter waits rise), undoing the schedule. With it off, the
     # generated code issues collectives and waits in the FX order (tests/test_schedules.py checks
     # the emitted code). Patched per compile, never globally.
-    # With outlined bodies, Inductor's memory reordering gave wrong gradients (NOTE [regions for our
-    # backend only] in module.py): it stays off for them even with pin_order=False.
+    # With outlined bodies, Inductor's memory reordering gives wrong gradients
+    # (NOTE [regions for our backend only] in module.py): it stays off for them even with pin_order=False.
     keep_output_strides(gm, None if is_backward or is_inference else forward_user_outputs())  # NOTE [output strides]
     calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
     patches = {"reorder_for_peak_memory": False} if options.pin_order or calls else {}
@@ -230,7 +230,7 @@ def _make_backend(options: BackendOptions) -> Any:
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
         compiled = _aot_or_inline(aot_cached if cached else aot_uncached, gm, example_inputs, options)
-        compiled = _checking_flats(compiled, flat_check(example_inputs))  # NOTE [flat shards] in flat.py
+        compiled = _checking_flats(compiled, flat_check(example_inputs))  # NOTE [flat shards] in flat_shard.py
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 
     setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]
@@ -256,7 +256,7 @@ def _aot_or_inline(aot: Callable[..., Any], gm: fx.GraphModule, example_inputs: 
 
 def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | None) -> Callable[..., Any]:
     """``compiled``, checking before each call that the parameters are still views of the flat shards it
-    reads (NOTE [flat shards] in ``flat.py``: ``p.data = t`` copied back in, or an error)."""
+    reads (NOTE [flat shards] in ``flat_shard.py``: ``p.data = t`` copied back in, or an error)."""
     if check is None:
         return compiled
 

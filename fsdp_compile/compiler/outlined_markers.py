@@ -57,7 +57,7 @@ def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
             tensor = _value(gm, values, shard)
             sp = sharded_param(tensor) if isinstance(tensor, torch.Tensor) else None
             piece = flat_piece(shard) if sp is None else None
-            if piece is not None:  # a piece of a flat shard (NOTE [flat shards] in flat.py)
+            if piece is not None:  # a piece of a flat shard (NOTE [flat shards] in flat_shard.py)
                 sp = flat_member(_value(gm, values, piece[0]), piece[1])
             assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
             _set_marker_arg(node, "unit", sp.unit.index)

@@ -67,7 +67,7 @@ from fsdp_compile.compiler.pipeline import (
     LOWERING,
     SCHEDULING,
     BackendOptions,
-    Compile,
+    Context,
     run_stage,
     scheduler,
 )
@@ -106,13 +106,13 @@ def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
 
 def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.GraphModule:
     """Lowering, then scheduling; ``"auto"`` settings resolved on the bucketed graph with the cost model."""
-    gm = run_stage(gm, LOWERING, Compile(options), recompile=False)
+    gm = run_stage(gm, LOWERING, Context(options), recompile=False)
     if options.uses_cost_model():
         choice = autotune.choose(gm, hw, prefetch=options.prefetch, reduce_scatter_bytes=options.reduce_scatter_bytes,
                                  schedule=scheduler(options))
     else:
         choice = Choice(prefetch=int(options.prefetch), reduce_scatter_bytes=options.reduce_scatter_bytes)
-    gm = run_stage(gm, SCHEDULING, Compile(options, choice=choice))
+    gm = run_stage(gm, SCHEDULING, Context(options, choice=choice))
     if "streams" not in options.disabled_passes:
         check_streams(gm)  # the annotations say what runs where: NOTE [streams]
     return gm
@@ -222,10 +222,10 @@ def _make_backend(options: BackendOptions) -> Any:
     def _backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, example_inputs)
         with timed("fsdp.outline"):
-            gm = run_stage(gm, CAPTURE, Compile(options, example_inputs))
+            gm = run_stage(gm, CAPTURE, Context(options, example_inputs))
         gm = inductor_pre_grad_passes(gm, example_inputs)
         with timed("fsdp.outline"):
-            gm = run_stage(gm, GROUPING, Compile(options))
+            gm = run_stage(gm, GROUPING, Context(options))
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
@@ -251,7 +251,7 @@ def _aot_or_inline(aot: Callable[..., Any], gm: fx.GraphModule, example_inputs: 
             raise
         log.info("fsdp_backend: outlined blocks could not be compiled as shared bodies (%s: %s); "
                  "compiling them inline", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-    return aot(run_stage(gm, FALLBACK, Compile(options)), example_inputs)
+    return aot(run_stage(gm, FALLBACK, Context(options)), example_inputs)
 
 
 def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | None) -> Callable[..., Any]:

@@ -44,7 +44,7 @@ from fsdp_compile.passes.schedule.prefetch import prefetch_pass
 from fsdp_compile.passes.schedule.reduce_scatter import SCHEDULES, reduce_scatter_pass
 from fsdp_compile.passes.schedule.streams import streams_pass
 
-__all__ = ["BackendOptions", "Compile", "PASS_NAMES", "STAGES", "run_stage", "scheduler"]
+__all__ = ["BackendOptions", "Context", "PASS_NAMES", "STAGES", "run_stage", "scheduler"]
 
 
 @dataclass(frozen=True)
@@ -150,9 +150,8 @@ class BackendOptions:
         return load_hardware(self.hardware or detect_hardware(), self.calibration)
 
 
-
 @dataclass(frozen=True)
-class Compile:
+class Context:
     """What one compile's passes are bound to: the options, Dynamo's example inputs (capture), the
     settings chosen for ``"auto"`` (scheduling)."""
 
@@ -169,7 +168,7 @@ class Compile:
         return (lambda group: resolve_group(group).rank()) if self.options.inplace_gather else None
 
 
-Stage = tuple[tuple[str, Callable[[Compile], GraphPass]], ...]
+Stage = tuple[tuple[str, Callable[[Context], GraphPass]], ...]
 _partial = functools.partial
 
 CAPTURE: Stage = (
@@ -221,15 +220,15 @@ def _switched_off(options: BackendOptions) -> set[str]:
     return off
 
 
-def run_stage(gm: fx.GraphModule, stage: Stage, compile: Compile, *, recompile: bool = True) -> fx.GraphModule:
-    """``stage``'s passes, bound to ``compile``, through ``run_passes``; ``recompile=False`` leaves the
+def run_stage(gm: fx.GraphModule, stage: Stage, context: Context, *, recompile: bool = True) -> fx.GraphModule:
+    """``stage``'s passes, bound to ``context``, through ``run_passes``; ``recompile=False`` leaves the
     recompile to the next stage."""
-    passes = [NamedPass(name, build(compile)) for name, build in stage]
-    return run_passes(gm, passes, disabled=_switched_off(compile.options), log_diff=compile.options.log_pass_diffs,
+    passes = [NamedPass(name, build(context)) for name, build in stage]
+    return run_passes(gm, passes, disabled=_switched_off(context.options), log_diff=context.options.log_pass_diffs,
                       allow_unknown=True, recompile=recompile)
 
 
 def scheduler(options: BackendOptions) -> Callable[[fx.GraphModule, Choice], fx.GraphModule]:
     """The scheduling stage under ``options`` for settings given later: what the cost model tries
     (``autotune.choose``)."""
-    return lambda gm, choice: run_stage(gm, SCHEDULING, Compile(options, choice=choice))
+    return lambda gm, choice: run_stage(gm, SCHEDULING, Context(options, choice=choice))

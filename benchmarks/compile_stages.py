@@ -139,7 +139,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
         profile = cProfile.Profile()
         profile.enable()
-    from fsdp_compile.compile.backend import observe_graphs
+    from fsdp_compile.compiler.backend import observe_graphs
 
     # Observing the compiled graphs bypasses AOTAutograd's cache (NOTE [warm start]): not on warm starts.
     warm_start = os.environ.get("TORCHINDUCTOR_AUTOGRAD_CACHE") == "1"
@@ -211,7 +211,7 @@ def _collectives(gm: Any) -> dict[str, int]:
     outputs (a forward's: the user's and the saved tensors)."""
     import torch
 
-    from passes.predicates import is_all_gather, is_reduce_scatter
+    from fsdp_compile.passes.predicates import is_all_gather, is_reduce_scatter
 
     nodes = list(gm.graph.nodes)
     return {"all_gather": sum(map(is_all_gather, nodes)), "reduce_scatter": sum(map(is_reduce_scatter, nodes)),

@@ -5,7 +5,7 @@ function once (Inductor's one-time set-up, not counted), builds a Llama-style mo
 blocks, prepares it as the variant says and times its first training step (forward, loss, backward):
 the *cold compile*. The stages come from torch.compile's own timing table
 (``torch._dynamo.utils.compilation_time_metrics``, which ours adds to under ``fsdp.*`` keys, see
-NOTE [compile-time keys] in ``fsdp_compile/compile/backend.py``):
+NOTE [compile-time keys] in ``fsdp_compile/compiler/backend.py``):
 
     dynamo     Dynamo's bytecode tracing, guards, graph building (compile_inner - call_user_compiler)
     aot        AOTAutograd: metadata and joint-graph tracing

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.baselines import _simple_fsdp_backend, _simple_fsdp_module
-from fsdp_compile.emulate import cli
+from fsdp_compile.examples import emulate as cli
 from fsdp_compile.examples.models import ModelConfig, _rope_tables
 
 VARIANTS = (*cli.VARIANTS, "simplefsdp")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fsdp_compile.api.accumulate import set_requires_gradient_sync
-from fsdp_compile.compile.backend import fsdp_backend, make_backend
+from fsdp_compile.compiler.backend import fsdp_backend, make_backend
 from fsdp_compile.api.checkpoint import (
     get_full_model_state_dict,
     get_model_state_dict,

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from fsdp_compile.emulate import cli as emulate_cli
+from fsdp_compile.examples import emulate as emulate_cli
 from fsdp_compile.examples import demo
-from fsdp_compile.inspect.cost import HARDWARE
-from fsdp_compile.inspect.explain import explain
+from fsdp_compile.inspection.cost import HARDWARE
+from fsdp_compile.examples.explain import explain
 from fsdp_compile.examples.models import PRESETS
 
 

@@ -1,7 +1,7 @@
 """Every private torch API fsdp-compile uses, in one place (supported: torch >= 2.11).
 
 Where these move between releases, the fallback belongs here and nowhere else. Checked on torch 2.13
-(CPU, CI) and 2.11 (CUDA, the H200 machine).
+(CPU, CI) and 2.11 (CUDA).
 """
 
 from __future__ import annotations
@@ -25,18 +25,17 @@ from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.output_code import OutputCode
 from torch._logging import _internal as _logging_internal
-from torch._logging._internal import getArtifactLogger
 from torch._ops import OpOverload
 
 __all__ = [
     "aot_autograd", "assume_constant_result", "compile_fx_inner", "compile_time_metrics", "default_store",
-    "DisableTorchFunctionSubclass", "donate_no_saved_tensors", "forward_user_outputs", "getArtifactLogger",
-    "group_timeout_s", "inductor_config_patch", "inductor_joint_graph_passes", "inductor_pre_grad_passes",
-    "keep_output_strides", "lowering_outlined_bodies", "make_boxed_func", "min_cut_rematerialization_partition",
-    "OpOverload", "print_native_stacks_on_fatal_signal", "queue_end_of_backward", "region_schemas_once",
-    "register_collective_work", "register_foreach_type", "register_log_artifact", "resolve_group",
-    "restarts_the_trace", "scan", "scan_example_values_without_autograd", "select_decomp_table", "serial_gloo",
-    "serializable", "store_connection", "structured_trace_on", "timed", "trace_structured_artifact", "traced_for",
+    "DisableTorchFunctionSubclass", "donate_no_saved_tensors", "forward_user_outputs", "group_timeout_s",
+    "inductor_config_patch", "inductor_joint_graph_passes", "inductor_pre_grad_passes", "keep_output_strides",
+    "lowering_outlined_bodies", "make_boxed_func", "min_cut_rematerialization_partition", "OpOverload",
+    "print_native_stacks_on_fatal_signal", "queue_end_of_backward", "region_schemas_once",
+    "register_collective_work", "register_foreach_type", "resolve_group", "restarts_the_trace", "scan",
+    "scan_example_values_without_autograd", "select_decomp_table", "serial_gloo", "serializable",
+    "store_connection", "structured_trace_on", "timed", "trace_structured_artifact", "traced_for",
 ]
 
 
@@ -275,9 +274,9 @@ def keep_output_strides(gm: Any, user_outputs: range | None) -> None:
     which keeps the strides the graph was traced with. ``compile_fx``'s own forward and backward
     compilers say which outputs those are (the output node's ``user_visible_output_idxs``: a
     backward's gradients, a forward's model outputs, a body's results); ``compile_fx_inner``, which the
-    backend calls, does not. Unmarked, the gradient of such a weight left the backward padded, and
-    autograd's ``AccumulateGrad`` copied it into the parameter's layout on every step (a strided
-    4096 x 10928 copy per block, 0.11 ms each, on the H200). Saved activations stay unmarked: padding
+    backend calls, does not. Unmarked, the gradient of such a weight leaves the backward padded, and
+    autograd's ``AccumulateGrad`` would copy it into the parameter's layout on every step (a strided
+    copy per block; docs/performance.md). Saved activations stay unmarked: padding
     them is Inductor's choice, as under ``compile_fx``.
     """
     from torch.utils import _pytree as pytree
@@ -352,7 +351,7 @@ def scan_example_values_without_autograd(is_ours: Callable[[], bool]) -> None:
     blocks] in ``stack.py``), it gets the call's output values by running the scan on fake tensors, and
     with inputs that require grad that run goes through scan's autograd kernel, which builds and
     min-cut partitions the body's joint graph (torch 2.11 and 2.13) only to return values whose shapes
-    the plain forward gives: 1.0 s of a 4-block stack's 2.2 s of Dynamo on the H200's host. Our backend
+    the plain forward gives (about half of Dynamo's time on a stack: docs/compile-time.md). Our backend
     unrolls the scan before AOTAutograd, which traces the unrolled calls afresh, so that joint graph is
     never used. This wraps the kernel: while ``is_ours()`` (Dynamo is tracing for a backend of
     ``make_backend``) and no graph is being traced (no proxy mode: only values are computed), the scan
@@ -389,13 +388,6 @@ def restarts_the_trace(error: BaseException) -> bool:
     """Whether ``error`` is Dynamo asking to trace the frame again (``RestartAnalysis`` and its kin,
     raised through a backend): it must reach Dynamo, never be handled as a failure."""
     return isinstance(error, torch._dynamo.exc.RestartAnalysis)
-
-
-def register_log_artifact(name: str, description: str, *, enable: bool) -> None:
-    """Register a ``TORCH_LOGS`` artifact, off by default; switched on now when ``enable``."""
-    _logging_internal.register_artifact(name, description, off_by_default=True)
-    if enable and not _logging_internal.log_state.is_artifact_enabled(name):
-        _logging_internal.log_state.enable_artifact(name)
 
 
 def trace_structured_artifact(name: str, payload_fn: Callable[[], str]) -> None:

@@ -1,5 +1,5 @@
-"""Every private torch API the passes use, in one place (the passes import nothing from ``fsdp_compile``,
-whose ``_compat.py`` holds the rest). Where these move between torch releases, the fallback belongs here.
+"""Every private torch API the passes use, in one place (the passes import nothing of ``fsdp_compile`` outside
+``fsdp_compile.passes``; ``fsdp_compile/_compat.py`` holds the rest). Where these move between torch releases, the fallback belongs here.
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@ unroll and absorb."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import fx
 
 from ._compat import FakeTensor
 
-__all__ = ["fresh_value", "holds", "invoke_subgraph", "subgraph_calls"]
+__all__ = ["fresh_value", "holds", "hop_bodies", "hop_calls", "invoke_subgraph", "subgraph_calls"]
 
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
@@ -23,6 +23,35 @@ def subgraph_calls(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
         if isinstance(attr, fx.Node) and attr.op == "get_attr":
             out.setdefault(str(attr.target), []).append(node)
     return out
+
+
+# Higher-order ops whose body reads the call's operands from this argument on, in order.
+_HOP_OPERANDS = {invoke_subgraph: 2, torch.ops.higher_order.tag_activation_checkpoint: 1}
+
+
+def hop_calls(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule, int]]:
+    """Each call of a higher-order op in ``gm`` (an outlined body, an activation-checkpointed region): the
+    call, its body, where its operands start."""
+    for node in list(gm.graph.nodes):
+        start = _HOP_OPERANDS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
+        attr = node.args[0] if start is not None else None
+        if isinstance(attr, fx.Node) and attr.op == "get_attr":
+            body: object = gm
+            for part in str(attr.target).split("."):
+                body = getattr(body, part)
+            if isinstance(body, fx.GraphModule):
+                yield node, body, start  # type: ignore[misc]
+
+
+def hop_bodies(gm: fx.GraphModule, seen: set[int] | None = None) -> Iterator[fx.GraphModule]:
+    """Each body of a higher-order op in ``gm``, and in their bodies, outermost first: once, however many
+    calls share it (the one body every outlined block calls)."""
+    seen = set() if seen is None else seen
+    for _, body, _ in hop_calls(gm):
+        if id(body) not in seen:
+            seen.add(id(body))
+            yield body
+            yield from hop_bodies(body, seen)
 
 
 def holds(body: fx.GraphModule, predicate: Callable[[fx.Node], bool]) -> bool:
@@ -39,9 +68,9 @@ def holds(body: fx.GraphModule, predicate: Callable[[fx.Node], bool]) -> bool:
 
 def fresh_value(val: object, *, requires_grad: bool = False) -> object:
     """A new fake tensor like ``val`` (a value of its own for each node that is given one; ``val`` itself
-    if it is no fake tensor): a meta tensor wrapped by ``val``'s fake mode, a quarter of what an
-    ``empty_strided`` dispatched through the mode costs (about 30 against 120 us; one for each moved node
-    of every call, 864 at 32 Llama blocks). ``requires_grad``: as ``val``'s."""
+    if it is no fake tensor): a meta tensor wrapped by ``val``'s fake mode, a fraction of what an
+    ``empty_strided`` dispatched through the mode costs, once for each moved node of every call.
+    ``requires_grad``: as ``val``'s."""
     if isinstance(val, FakeTensor):
         meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta",
                                    requires_grad=requires_grad and val.requires_grad)

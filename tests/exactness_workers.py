@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 from fsdp_compile import FsdpGroups, fully_shard, get_full_model_state_dict, make_backend
-from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import Transformer, loss_fn
 
 from .workers import TINY, stacked_llama

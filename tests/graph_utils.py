@@ -15,11 +15,11 @@ from expecttest import TestCase
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
-from fsdp_compile.compile.backend import observe_graphs
-from fsdp_compile.inspect.schedule import group_labels, listing
+from fsdp_compile.compiler.backend import observe_graphs
+from fsdp_compile.inspection.schedule import group_labels, listing
 from fsdp_compile.examples.models import ModelConfig
-import passes.graph_ops  # noqa: F401  (registers torch.ops.fsdp.copy_out_rows)
-from passes.predicates import is_all_gather, is_reduce_scatter, is_wait
+import fsdp_compile.passes.graph_ops  # noqa: F401  (registers torch.ops.fsdp.copy_out_rows)
+from fsdp_compile.passes.predicates import is_all_gather, is_reduce_scatter, is_wait
 
 SMALL = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=16, max_seq_len=8)
 

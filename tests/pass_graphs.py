@@ -18,15 +18,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compile.api.markers as fsdp_ops
-import passes.graph_ops as bucket_copies
-from fsdp_compile.inspect.schedule import listing
-from passes import NamedPass
-from passes.lower.bucket import bucket_pass
-from passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
-from passes.predicates import fsdp_meta, is_all_gather, is_collective, is_reduce_scatter, is_wait
-from passes.schedule.prefetch import prefetch_pass
-from passes.schedule.reduce_scatter import reduce_scatter_pass
-from passes.schedule.streams import streams_pass
+import fsdp_compile.passes.graph_ops as bucket_copies
+from fsdp_compile.inspection.schedule import listing
+from fsdp_compile.passes import NamedPass
+from fsdp_compile.passes.lower.bucket import bucket_pass
+from fsdp_compile.passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
+from fsdp_compile.passes.predicates import fsdp_meta, is_all_gather, is_collective, is_reduce_scatter, is_wait
+from fsdp_compile.passes.schedule.prefetch import prefetch_pass
+from fsdp_compile.passes.schedule.reduce_scatter import reduce_scatter_pass
+from fsdp_compile.passes.schedule.streams import streams_pass
 
 c10d = torch.ops._c10d_functional
 
@@ -212,7 +212,7 @@ def run(gm: fx.GraphModule, *, ranks: bool = True) -> list[Tensor]:
 
 
 def show(gm: fx.GraphModule) -> str:
-    """The schedule listing (``fsdp_compile.inspect.schedule``) with the group labels of these graphs."""
+    """The schedule listing (``fsdp_compile.inspection.schedule``) with the group labels of these graphs."""
     return listing(gm, LABELS)
 
 
@@ -263,7 +263,7 @@ def names(gm: fx.GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes]
 
 
-# The backend's pass list (fsdp_compile.compile.backend), with its default settings.
+# The backend's pass list (fsdp_compile.compiler.backend), with its default settings.
 PIPELINE = [
     NamedPass("lower_unshard", lower_unshard_pass),
     NamedPass("lower_reduce_grad", lower_reduce_grad_pass),

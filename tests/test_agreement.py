@@ -109,7 +109,7 @@ def test_fingerprint_lists_collectives_in_order(groups: FsdpGroups, flat: bool) 
 
 
 def test_a_failed_collective_is_noted_once_with_the_graph_last_checked_in_with(fake_world: int) -> None:
-    """NOTE [lockstep]: the error of a collective that fails inside a compiled graph gets one note naming
+    """(NOTE [lockstep]) The error of a collective that fails inside a compiled graph gets one note naming
     that graph (the one this process last checked in with) and what the peers do, through both the
     graph's wrapper and the Dynamo-level one; other errors pass untouched."""
     graph = GraphIdentity(kind="backward", collectives=("reduce_scatter(unit 0, group g0, float32[4])",),

@@ -119,7 +119,7 @@ def _hooks_follow_the_groups(rank: int, world: int) -> None:
 
 
 def test_the_rank_hooks_last_as_long_as_the_groups() -> None:
-    """NOTE [peers]: ``sys.excepthook`` and the heartbeat are ours from ``FsdpGroups.create()`` to the
+    """(NOTE [peers]) ``sys.excepthook`` and the heartbeat are ours from ``FsdpGroups.create()`` to the
     last ``destroy()``, then the user's hook is back (a hook installed over ours meanwhile is kept). In a
     process of its own: groups another test left alive here would hold the hook."""
     from fsdp_compile.examples.launch import run_ranks

@@ -2,7 +2,7 @@
 
 The model (a 3-block Llama-style transformer at world size 2, fake process group) is captured once,
 lowered and bucketed but not yet scheduled; each test schedules copies of those graphs with the pure
-passes and measures the peaks with ``fsdp_compile.inspect.schedule.in_flight_peaks``.
+passes and measures the peaks with ``fsdp_compile.inspection.schedule.in_flight_peaks``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from torch import fx
 
 from fsdp_compile import FsdpGroups
 from fsdp_compile.examples.models import Transformer
-from fsdp_compile.inspect.schedule import in_flight_peaks
-from passes.collective_regions import regions
-from passes.schedule.prefetch import prefetch_pass
-from passes.schedule.reduce_scatter import reduce_scatter_pass
+from fsdp_compile.inspection.schedule import in_flight_peaks
+from fsdp_compile.passes.collective_regions import regions
+from fsdp_compile.passes.schedule.prefetch import prefetch_pass
+from fsdp_compile.passes.schedule.reduce_scatter import reduce_scatter_pass
 
 from .graph_utils import SMALL, capture, fake_process_group, shard_blocks_then_root
 

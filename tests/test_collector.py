@@ -1,4 +1,4 @@
-"""NOTE [no full collections]: while our backend compiles, and from its call to the end of that Dynamo
+"""(NOTE [no full collections]) While our backend compiles, and from its call to the end of that Dynamo
 compile (guards included), Python's collector runs no full collection; its settings are the user's again
 afterwards, and compiles of other backends are left alone."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-import fsdp_compile.compile.backend as backend
+import fsdp_compile.compiler.backend as backend
 from fsdp_compile import make_backend
-from fsdp_compile.compile.backend import no_full_collections
+from fsdp_compile.compiler.backend import no_full_collections
 
 
 def test_only_the_young_generations_are_collected_while_compiling() -> None:
@@ -108,7 +108,7 @@ def test_a_compile_of_another_backend_is_left_alone(monkeypatch: pytest.MonkeyPa
 
 def test_a_backend_called_by_hand_leaves_the_collector_as_it_was() -> None:
     """Outside a Dynamo compile nothing would end a deferral: the backend defers only its own work."""
-    from fsdp_compile.compile.collector import defer_full_collections_while_compiling
+    from fsdp_compile.compiler.collector import defer_full_collections_while_compiling
 
     before = gc.get_threshold()
     defer_full_collections_while_compiling()  # what the backend does first

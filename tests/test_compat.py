@@ -1,5 +1,5 @@
 """Private torch APIs live in two compat modules: ``fsdp_compile/_compat.py`` and, for the passes (which
-import nothing from ``fsdp_compile``), ``passes/_compat.py``. Every other module of the product reaches
+import nothing of ``fsdp_compile`` outside ``fsdp_compile.passes``), ``passes/_compat.py``. Every other module of the product reaches
 torch through its public API, so that a torch release that moves a private name breaks one file.
 
 Read from the source (imports and attribute chains, not comments): ``torch.ops.*`` (functional

@@ -1,4 +1,4 @@
-"""The cost model (``fsdp_compile.inspect.cost``) and the schedule simulator (``fsdp_compile.inspect.timeline``).
+"""The cost model (``fsdp_compile.inspection.cost``) and the schedule simulator (``fsdp_compile.inspection.timeline``).
 
 Graphs are hand-built (meta tensors as ``meta["val"]``) or captured from ``ThreeUnits`` at world size
 2 under a fake process group, without Inductor. Snapshot: ``EXPECTTEST_ACCEPT=1`` updates it.
@@ -17,7 +17,7 @@ from expecttest import TestCase
 from torch import fx
 
 from fsdp_compile import FsdpGroups
-from fsdp_compile.inspect.cost import (
+from fsdp_compile.inspection.cost import (
     HARDWARE,
     Hardware,
     collective_seconds,
@@ -29,11 +29,11 @@ from fsdp_compile.inspect.cost import (
     optimizer_seconds,
     write_calibration,
 )
-from fsdp_compile.inspect.fusion import graph_seconds
-from fsdp_compile.inspect.schedule import group_labels
-from fsdp_compile.inspect.timeline import Timeline, _beside_collectives, chrome_trace, simulate, table, write_png
+from fsdp_compile.inspection.fusion import graph_seconds
+from fsdp_compile.inspection.schedule import group_labels
+from fsdp_compile.inspection.timeline import Timeline, _beside_collectives, chrome_trace, simulate, table, write_png
 
-from passes.predicates import op_name
+from fsdp_compile.passes.predicates import op_name
 
 from .graph_utils import ThreeUnits, capture, fake_process_group, shard_blocks_then_root
 

@@ -18,10 +18,10 @@ from torch import nn
 from fsdp_compile import FsdpGroups
 from fsdp_compile.emulate import EmulatedTopology, init_emulated_world, ledger
 from fsdp_compile.emulate.measure import exposed_seconds, timeline_of_trace
-from fsdp_compile.inspect.hardware import HARDWARE, load_hardware
+from fsdp_compile.inspection.hardware import HARDWARE, load_hardware
 from tests.graph_utils import ThreeUnits, capture, collectives, shard_blocks_then_root
 
-from passes.predicates import is_all_gather, is_reduce_scatter
+from fsdp_compile.passes.predicates import is_all_gather, is_reduce_scatter
 
 H200 = HARDWARE["h200"]
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="emulated collectives are timed by CUDA kernels")
@@ -59,7 +59,7 @@ def test_the_measured_pair_of_h200s_is_reproduced_by_the_model() -> None:
     ag = topo.solo_seconds("all_gather", 1 << 30, [0, 1])
     rs = topo.solo_seconds("reduce_scatter", 1 << 30, [0, 1])
     assert ag * 1e3 == pytest.approx(2.03, rel=0.05)
-    assert (ag + rs) / topo.shared * 1e3 == pytest.approx(3.24, rel=0.05)  # both at shared/2 of their rate
+    assert (ag + rs) / topo.shared * 1e3 == pytest.approx(3.24, rel=0.05)  # each at half the links' shared rate
     assert (ag + rs) * 1e3 == pytest.approx(4.10, rel=0.05)  # one after the other
 
 

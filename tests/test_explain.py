@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,8 +15,8 @@ import torch
 from expecttest import TestCase
 
 from fsdp_compile.__main__ import main as cli
-from fsdp_compile.inspect.explain import Explanation, explain
-from fsdp_compile.inspect.logs import logs_on_rank
+from fsdp_compile.examples.explain import Explanation, explain
+from fsdp_compile.inspection.logs import logs_on_rank, schedule_logged
 from fsdp_compile.examples.models import PRESETS, ModelConfig
 
 from .graph_utils import ThreeUnits
@@ -92,7 +93,7 @@ def test_deeper_prefetch_holds_more_bytes() -> None:
 
 
 def test_extrapolation_matches_a_full_trace_and_tables_say_so() -> None:
-    """NOTE [periodic blocks]: 2 and 3 traced blocks, extended to 5, predict what tracing 5 gives; the
+    """(NOTE [periodic blocks]) 2 and 3 traced blocks, extended to 5, predict what tracing 5 gives; the
     tables and the picture's title say that they show the traced blocks."""
     five = PRESETS["tiny"].with_(n_layers=5)
     full = explain(five, world_size=8, trace_layers=None).summary
@@ -177,8 +178,9 @@ def test_auto_prefetch_follows_the_cost_model(groups: object) -> None:
     """Slow links: prefetching pays, "auto" prefetches. Instant links: nothing to hide, depth 0."""
     import dataclasses
 
-    from fsdp_compile.inspect.autotune import choose
-    from fsdp_compile.inspect.cost import HARDWARE
+    from fsdp_compile.compiler.pipeline import BackendOptions, scheduler
+    from fsdp_compile.inspection.autotune import choose
+    from fsdp_compile.inspection.cost import HARDWARE
 
     from .graph_utils import capture, shard_blocks_then_root
 
@@ -187,7 +189,7 @@ def test_auto_prefetch_follows_the_cost_model(groups: object) -> None:
     # seconds of compute per unit, a second per collective: hiding collectives is worth a deeper prefetch
     slow_compute = dataclasses.replace(HARDWARE["h200"], peak_flops_fp32=1e6, memory_bandwidth=1e6, collective_latency=1.0)
     instant_links = dataclasses.replace(slow_compute, collective_latency=0.0, intra_node_busbw=1e18)
-    kw = {"prefetch": "auto", "prefetch_bytes": None, "schedule": "eager", "reduce_scatter_bytes": "auto"}
+    kw = {"prefetch": "auto", "reduce_scatter_bytes": "auto", "schedule": scheduler(BackendOptions(prefetch="auto"))}
     assert choose(bucketed["forward"], slow_compute, **kw).prefetch >= 1
     assert choose(bucketed["forward"], instant_links, **kw).prefetch == 0
     cap = choose(bucketed["backward"], slow_compute, **kw).reduce_scatter_bytes
@@ -218,14 +220,30 @@ for rank, setting in [(0, None), (1, None), (1, "all")]:
 """
 
 
-def test_torch_logs_artifact() -> None:
-    """TORCH_LOGS=fsdp_schedule, beside another setting, prints each compiled graph's table, groups
-    labelled as in explain (the artifact is registered at torch import through the package's
-    ``torch.backends`` entry point; on torch 2.11, which validates the setting first, it passes as the
-    ``fsdp_schedule`` module's name, see ``fsdp_schedule.py``); rank 0 alone unless
-    FSDP_COMPILE_LOG_RANKS says otherwise."""
+def test_schedules_are_logged_where_our_loggers_ask() -> None:
+    """A level on the package's loggers (what TORCH_LOGS=fsdp_compile sets) turns the tables on; the root
+    logger's level does not (NOTE [schedules in TORCH_LOGS])."""
+    root, package = logging.getLogger(), logging.getLogger("fsdp_compile")
+    levels = root.level, package.level
+    try:
+        root.setLevel(logging.INFO)
+        package.setLevel(logging.NOTSET)
+        assert not schedule_logged()
+        package.setLevel(logging.INFO)
+        assert schedule_logged()
+        package.setLevel(logging.WARNING)
+        assert not schedule_logged()
+    finally:
+        root.setLevel(levels[0])
+        package.setLevel(levels[1])
+
+
+def test_torch_logs_prints_the_schedule() -> None:
+    """TORCH_LOGS=fsdp_compile, beside another setting, prints each compiled graph's table, groups labelled
+    as in explain (NOTE [schedules in TORCH_LOGS]: torch finds the package and turns its loggers on); rank 0
+    alone unless FSDP_COMPILE_LOG_RANKS says otherwise."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep what is on it
-    env = {**os.environ, "TORCH_LOGS": "recompiles,fsdp_schedule", "PYTHONPATH": path}
+    env = {**os.environ, "TORCH_LOGS": "recompiles,fsdp_compile", "PYTHONPATH": path}
     env.pop("FSDP_COMPILE_LOG_RANKS", None)
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

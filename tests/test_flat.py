@@ -18,11 +18,11 @@ import torch.distributed as dist
 from torch import fx
 
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
-from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import ModelConfig, Transformer
 from fsdp_compile.api.units import unit_of
-from passes.lower.tiles import tiles_pass
-from passes.predicates import is_flat_reduce_grad, is_flat_unshard
+from fsdp_compile.passes.lower.tiles import tiles_pass
+from fsdp_compile.passes.predicates import is_flat_reduce_grad, is_flat_unshard
 
 from .graph_utils import fake_process_group, shard_blocks_then_root
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile.compiler.pipeline import PASS_NAMES, STAGES, BackendOptions
 from fsdp_compile.examples.models import Transformer
-from passes.predicates import is_all_gather, is_reduce_scatter
+from fsdp_compile.passes.predicates import is_all_gather, is_reduce_scatter
 
 from .graph_utils import SMALL, capture, collectives, gathered_values, shard_blocks_then_root
 
@@ -72,3 +73,13 @@ def test_make_backend_names_an_unknown_option_and_the_known_ones() -> None:
     """The options are ``BackendOptions``' fields, written once; a misspelt one says which exist."""
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['prefech'\]; the options are \['schedule', 'prefetch'"):
         make_backend(prefech=2)
+
+
+def test_disabled_passes_take_the_name_of_any_pass_the_backend_runs() -> None:
+    """``PASS_NAMES`` is every name of the stages' lists, each once; any other name raises, listing them."""
+    names = [name for stage in STAGES for name, _ in stage]
+    assert list(PASS_NAMES) == names and len(set(names)) == len(names)
+    assert {"outline", "group_markers", "lower_grouped", "bucket", "prefetch", "absorb"} <= set(names)
+    assert BackendOptions(disabled_passes=["name_markers", "absorb"]).disabled_passes == ("name_markers", "absorb")
+    with pytest.raises(ValueError, match=r"disabled_passes \['nope'\] match no pass; known: \['outline', 'unroll'"):
+        make_backend(disabled_passes=["absorb", "nope"])

@@ -71,7 +71,7 @@ def test_the_heartbeat_stops_with_its_process_group() -> None:
 
 @pytest.mark.slow
 def test_on_gloo_each_group_runs_one_collective_at_a_time() -> None:
-    """NOTE [one gloo thread per group]: over a plain gloo group, FsdpGroups makes two new groups of one
+    """(NOTE [one gloo thread per group]) Over a plain gloo group, FsdpGroups makes two new groups of one
     worker thread, with the base group's timeout; collectives in flight on both, many times over, run
     clean (on two-thread groups the same loop aborts on a corrupt heap within seconds)."""
     from fsdp_compile.examples.launch import run_ranks

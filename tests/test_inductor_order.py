@@ -1,7 +1,7 @@
 """The order of collective launches and waits survives Inductor: read its generated code.
 
 Inductor's own memory-driven reordering would move waits back next to their launches; the backend
-pins the schedule (NOTE [pinning the schedule] in fsdp_compile/compile/backend.py). These tests compile the
+pins the schedule (NOTE [pinning the schedule] in fsdp_compile/compiler/backend.py). These tests compile the
 3-unit model of tests/test_schedules.py with Inductor under a fake process group and compare the
 launches and waits in the generated code with the scheduled FX graph's.
 """
@@ -21,9 +21,9 @@ from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile.safety import agreement
 
 from fsdp_compile.safety import lockstep
-from fsdp_compile.compile.backend import observe_graphs
-from fsdp_compile.inspect.schedule import rows
-from passes.predicates import is_all_gather, waited_collective
+from fsdp_compile.compiler.backend import observe_graphs
+from fsdp_compile.inspection.schedule import rows
+from fsdp_compile.passes.predicates import is_all_gather, waited_collective
 
 from .graph_utils import FakeWorldTestCase, ThreeUnits, shard_blocks_then_root
 from .test_outline import Mlp
@@ -88,7 +88,7 @@ class InductorOrderTest(FakeWorldTestCase):
             self.assertEqual(emitted, fx, f"Inductor reordered collectives with {kw}")
 
     def test_outlined_calls_keep_their_place(self) -> None:
-        # NOTE [outlined units]: each block is a call of one compiled body; the calls, and the
+        # (NOTE [outlined units]) Each block is a call of one compiled body; the calls, and the
         # collectives around them, run in the scheduled order.
         fx, emitted = self.compiled_orders(Mlp(), grad_in=True)  # (else block 0's body differs: its input)
         self.assertEqual([o.count("call") for o in fx], [3, 3])
@@ -100,7 +100,7 @@ class InductorOrderTest(FakeWorldTestCase):
         self.assertNotEqual(emitted, fx)
 
     def test_the_check_in_runs_before_every_collective(self) -> None:
-        # NOTE [lockstep]: a graph with peers checks in with them first, also when it was loaded from
+        # (NOTE [lockstep]) A graph with peers checks in with them first, also when it was loaded from
         # the caches. A fake group has no peers, so the test gives each graph an identity, and
         # records the check-ins instead of making them.
         identity = agreement.GraphIdentity(kind="", collectives=(), groups=((0, 1),), timeout_s=1.0)
@@ -144,6 +144,6 @@ class OutputStridesTest(FakeWorldTestCase):
 
     def test_unmarked_outputs_come_back_padded(self) -> None:
         # The control: without the marks, Inductor pads the weights' gradients (row stride 1056).
-        with mock.patch("fsdp_compile.compile.backend.keep_output_strides", lambda gm, outputs: None):
+        with mock.patch("fsdp_compile.compiler.backend.keep_output_strides", lambda gm, outputs: None):
             strides = self.grad_strides(outline=False)
         self.assertIn((1056, 1), [g for _, g in strides])

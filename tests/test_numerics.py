@@ -131,7 +131,7 @@ def test_slow_path_trains_correctly_and_warns_once() -> None:
 
 
 def test_a_warm_start_loads_each_ranks_own_graphs_and_trains_exactly(tmp_path: Any, monkeypatch: Any) -> None:
-    """NOTE [warm start]: two process starts of 2 ranks over one cache directory. The second loads its
+    """(NOTE [warm start]) Two process starts of 2 ranks over one cache directory. The second loads its
     compiled graphs from AOTAutograd's cache, each rank its own (their in-place all-gathers differ), runs
     their lockstep check-ins, and trains exactly as the reference."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))

@@ -12,14 +12,14 @@ import torch
 from torch import fx, nn
 
 from fsdp_compile import FsdpGroups, make_backend
-from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import Transformer, loss_fn
 from fsdp_compile.api.module import is_outline_candidate
-from fsdp_compile.inspect.schedule import graph_group_labels, group_labels, listing
-from passes.capture.hoist import hoist_unshards_pass
-from passes.capture.inline import inline_subgraphs_pass
-from passes.capture.outline import outline_blocks_pass
-from passes.predicates import UnshardArgs, is_all_gather, is_collective, is_unshard
+from fsdp_compile.inspection.schedule import graph_group_labels, group_labels, listing
+from fsdp_compile.passes.capture.hoist import hoist_unshards_pass
+from fsdp_compile.passes.capture.inline import inline_subgraphs_pass
+from fsdp_compile.passes.capture.outline import outline_blocks_pass
+from fsdp_compile.passes.predicates import UnshardArgs, is_all_gather, is_collective, is_unshard
 
 from .workers import MODELS, TINY
 from .graph_utils import SMALL, FakeWorldTestCase, ThreeUnits, capture, gathered_values, shard_blocks_then_root
@@ -132,7 +132,7 @@ class OutlineTest(FakeWorldTestCase):
             torch.testing.assert_close(whole(*example), expected)
 
     def test_other_backends_get_the_whole_graph(self) -> None:
-        # NOTE [regions for our backend only]: no region unless the backend keeps outlined bodies.
+        # (NOTE [regions for our backend only]) No region unless the backend keeps outlined bodies.
         graphs: list[fx.GraphModule] = []
 
         def plain(gm: fx.GraphModule, example: list[torch.Tensor]) -> object:
@@ -234,7 +234,7 @@ class OutlineTest(FakeWorldTestCase):
         return graphs, [o for o in outputs if o in gathered]
 
     def test_outlined_units_reshard_after_forward(self) -> None:
-        # NOTE [reshard through outlined bodies]: no gathered param, nor a view of one, is saved for
+        # (NOTE [reshard through outlined bodies]) No gathered param, nor a view of one, is saved for
         # backward; backward gathers every unit again.
         graphs, saved = self.saved_gathered()
         self.assertEqual(len(calls(graphs["forward"])), 3)
@@ -295,9 +295,9 @@ _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.
 
 
 def test_what_reads_as_a_view_comes_from_the_op_schema() -> None:
-    """NOTE [reshard through outlined bodies]: the ops whose results a body recomputes from its inputs rather
+    """(NOTE [reshard through outlined bodies]) The ops whose results a body recomputes from its inputs rather
     than save are read off their schemas (an alias returned, nothing written), plus the casts and copies."""
-    from fsdp_compile.compile.partition import _reads_as_view
+    from fsdp_compile.compiler.partition import _reads_as_view
 
     aten = torch.ops.aten
     views = [aten.view.default, aten.t.default, aten.split_with_sizes.default, aten.unbind.int, aten.narrow.default,
@@ -311,7 +311,7 @@ def test_what_reads_as_a_view_comes_from_the_op_schema() -> None:
 
 @pytest.mark.parametrize(("name", "calls"), [("llama", [4]), ("llama-alternating", [2, 2]), ("hf-mistral", [4])])
 def test_which_blocks_share_a_body(fake_world: int, name: str, calls: list[int]) -> None:
-    """NOTE [outlining by proof]: alike blocks share one body, in forward and backward; blocks of one
+    """(NOTE [outlining by proof]) Alike blocks share one body, in forward and backward; blocks of one
     class whose feed-forward classes alternate get two; Hugging Face Mistral's blocks (a sliding window
     shorter than the sequence) one."""
     pytest.importorskip("transformers")
@@ -326,7 +326,7 @@ def test_which_blocks_share_a_body(fake_world: int, name: str, calls: list[int])
 
 
 def test_bodies_that_fail_to_compile_fall_back_inline(fake_world: int, caplog: pytest.LogCaptureFixture) -> None:
-    """NOTE [outlining by proof]: where AOTAutograd cannot take the shared bodies, the graph is compiled
+    """(NOTE [outlining by proof]) Where AOTAutograd cannot take the shared bodies, the graph is compiled
     with every block inline, with one INFO line, never a crash."""
     import contextlib
     from unittest import mock
@@ -338,7 +338,7 @@ def test_bodies_that_fail_to_compile_fall_back_inline(fake_world: int, caplog: p
 
     torch.manual_seed(0)
     model = shard_blocks_then_root(Mlp(4), FsdpGroups.create())
-    with mock.patch("fsdp_compile.compile.backend.region_schemas_once", failing), caplog.at_level("INFO", "fsdp_compile"):
+    with mock.patch("fsdp_compile.compiler.backend.region_schemas_once", failing), caplog.at_level("INFO", "fsdp_compile"):
         graphs = capture(model, torch.randn(4, 8, requires_grad=True))
     assert calls(graphs["forward"]) == [] and calls(graphs["backward"]) == []
     lines = [r.getMessage() for r in caplog.records if "compiling them inline" in r.getMessage()]

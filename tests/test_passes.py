@@ -10,8 +10,8 @@ import torch
 from expecttest import TestCase
 from torch import fx
 
-from passes import NamedPass, run_passes
-from passes.order import reorder
+from fsdp_compile.passes import NamedPass, run_passes
+from fsdp_compile.passes.order import reorder
 
 from .pass_graphs import (
     PIPELINE, abcd, backward_graph, forward_graph, gathers, ints, lowered, names, one_param, ops, show, trace,
@@ -109,9 +109,9 @@ class TestRunner(TestCase):
 
 
 def test_log_diff(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="passes.runner"):
+    with caplog.at_level(logging.INFO, logger="fsdp_compile.passes.runner"):
         run_passes(forward_graph(units=1), PIPELINE[:3], log_diff=True)
-    diffs = [r for r in caplog.records if r.levelno == logging.INFO and r.name == "passes.runner"]
+    diffs = [r for r in caplog.records if r.levelno == logging.INFO and r.name == "fsdp_compile.passes.runner"]
     assert len(diffs) == 3
     assert "--- before lower_unshard" in diffs[0].getMessage()
     assert "+    all_gather_into_tensor = " in diffs[0].getMessage()

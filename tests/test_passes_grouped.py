@@ -12,8 +12,8 @@ import torch
 from expecttest import TestCase
 from torch import Tensor, fx
 
-from passes.capture.group_markers import group_markers_pass
-from passes.graph_ops import (
+from fsdp_compile.passes.capture.group_markers import group_markers_pass
+from fsdp_compile.passes.graph_ops import (
     NAMES_SEP,
     REDUCE_GRAD_ARGS,
     REDUCE_GRAD_SHARED,
@@ -22,12 +22,12 @@ from passes.graph_ops import (
     arg_names,
     flatten_shapes,
 )
-from passes.lower.bucket import bucket_pass
-from passes.lower.expand_markers import expand_markers_pass
-from passes.lower.grouped import lower_grouped_pass
-from passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
-from passes.lower.tiles import tiles_pass
-from passes.predicates import (
+from fsdp_compile.passes.lower.bucket import bucket_pass
+from fsdp_compile.passes.lower.expand_markers import expand_markers_pass
+from fsdp_compile.passes.lower.grouped import lower_grouped_pass
+from fsdp_compile.passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
+from fsdp_compile.passes.lower.tiles import tiles_pass
+from fsdp_compile.passes.predicates import (
     ReduceGradArgs,
     UnshardArgs,
     fsdp_meta,
@@ -268,7 +268,7 @@ class TestGroupMarkers(TestCase):
 
 
 def test_every_marker_follows_the_one_marker_spec() -> None:
-    """NOTE [one marker spec]: the markers' Python signatures (fsdp_compile/api/markers.py, which
+    """(NOTE [one marker spec]) The markers' Python signatures (fsdp_compile/api/markers.py, which
     ``torch.library.custom_op`` needs) and the readers ``UnshardArgs`` / ``ReduceGradArgs`` name the
     arguments of ``UNSHARD_ARGS`` / ``REDUCE_GRAD_ARGS``, in order and with those schema types; the
     flat markers end with the shared ones."""

@@ -7,9 +7,9 @@ import torch
 from expecttest import TestCase
 from torch import Tensor
 
-from passes.lower.bucket import bucket_pass
-from passes.lower.per_param import lower_unshard_pass
-from passes.predicates import fsdp_meta
+from fsdp_compile.passes.lower.bucket import bucket_pass
+from fsdp_compile.passes.lower.per_param import lower_unshard_pass
+from fsdp_compile.passes.predicates import fsdp_meta
 
 from .pass_graphs import (
     WIDTH, assert_same, backward_graph, bucketed, forward_graph, gathers, ints, launches, lowered, one_param, ops,
@@ -127,7 +127,7 @@ class TestBucket(TestCase):
         assert_same(run(gm), want)
 
     def test_in_place_gather_packs_into_its_output(self) -> None:
-        # NOTE [in-place all-gather]: rank r's members are copied into out[r*N:(r+1)*N], gathered in place.
+        # (NOTE [in-place all-gather]) Rank r's members are copied into out[r*N:(r+1)*N], gathered in place.
         gm = forward_graph()
         want = run(gm)
         gm = valid(bucket_pass(lowered(gm), rank_of=lambda group: 0))
@@ -143,7 +143,7 @@ class TestBucket(TestCase):
         assert_same(run(gm), want)
 
     def test_large_params_alone(self) -> None:
-        # NOTE [large params alone]: the 256 B weights keep their own collectives; a bias is what is left
+        # (NOTE [large params alone]) The 256 B weights keep their own collectives; a bias is what is left
         # of its unit's bucket, so it is alone too; nothing is packed.
         for make in (forward_graph, lambda: backward_graph(gathers=True)):
             gm, per_param = make(), len(launches(lowered(make())))
@@ -156,7 +156,7 @@ class TestBucket(TestCase):
         self.assertEqual(len(gathers(gm)), 3)
 
     def test_a_gradient_whose_reduction_casts_is_never_alone(self) -> None:
-        # NOTE [large params alone]: the cast writes it into the bucket at no extra copy, so the 512 B
+        # (NOTE [large params alone]) The cast writes it into the bucket at no extra copy, so the 512 B
         # fp32 gradient shares it; its weight's all-gather (bf16, 256 B gathered) keeps its own collective.
         def fn(w: Tensor, b: Tensor, gw: Tensor, gb: Tensor) -> list[Tensor]:
             return [unshard(w, [16, 8], 0, "w", param_dtype=torch.bfloat16), unshard(b, [8], 0, "b", param_dtype=torch.bfloat16),

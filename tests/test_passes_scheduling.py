@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from expecttest import TestCase
 
-from passes.predicates import fsdp_meta, wait_of
-from passes.schedule.prefetch import prefetch_pass
-from passes.schedule.reduce_scatter import reduce_scatter_pass
-from passes.schedule.streams import check_streams, streams_pass
+from fsdp_compile.passes.predicates import fsdp_meta, wait_of
+from fsdp_compile.passes.schedule.prefetch import prefetch_pass
+from fsdp_compile.passes.schedule.reduce_scatter import reduce_scatter_pass
+from fsdp_compile.passes.schedule.streams import check_streams, streams_pass
 
 from .pass_graphs import (
     WIDTH, backward_graph, bucketed, forward_graph, gather_chain, gathers, launches, scatters, sched, show,
@@ -127,7 +127,7 @@ class TestReduceScatter(TestCase):
 14 unpack          unit 0  rs""")
 
     def test_auto_is_one_unit_in_flight(self) -> None:
-        # NOTE [one unit in flight]: a unit's reduce-scatter is waited just before the next unit's launch,
+        # (NOTE [one unit in flight]) A unit's reduce-scatter is waited just before the next unit's launch,
         # as a cap of one bucket does when the buckets are alike
         auto = valid(reduce_scatter_pass(bucketed(backward_graph()), max_bytes="auto"))
         one = valid(reduce_scatter_pass(bucketed(backward_graph()), max_bytes=self.bucket))

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy
-from fsdp_compile.inspect.schedule import group_labels, listing
+from fsdp_compile.inspection.schedule import group_labels, listing
 
 from .graph_utils import FakeWorldTestCase, ScheduleCase, ThreeUnits, capture, shard_blocks_then_root
 

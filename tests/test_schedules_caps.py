@@ -41,7 +41,7 @@ class CapScheduleTest(ScheduleCase):
 
     def test_large_params_alone(self) -> None:
         fwd, bwd = self.schedule(bucket_alone_bytes=200)
-        # NOTE [large params alone]: each 256 B weight keeps an all-gather and a reduce-scatter of its own,
+        # (NOTE [large params alone]) Each 256 B weight keeps an all-gather and a reduce-scatter of its own,
         # which need no pack or unpack copy (its "pack" and "unpack" are views); a 32 B bias is what is
         # left of its unit's bucket, so it is alone too. Prefetch moves a unit's collectives together: unit 1's two all-gathers are issued
         # before unit 0's compute, as its one bucket was; a unit's reduce-scatters launch as each

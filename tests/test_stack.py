@@ -25,12 +25,12 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from fsdp_compile import FsdpGroups, fully_shard, get_model_state_dict, make_backend
-from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import Transformer, loss_fn
-from fsdp_compile.inspect.schedule import group_labels, listing
+from fsdp_compile.inspection.schedule import group_labels, listing
 from fsdp_compile.api.stack import BlockStack, stack_of
 from fsdp_compile.api.units import unit_of
-from passes.capture.unroll import unroll_scans_pass
+from fsdp_compile.passes.capture.unroll import unroll_scans_pass
 
 from .graph_utils import SMALL, FakeWorldTestCase, capture, fake_process_group, shard_blocks_then_root
 from .test_inductor_order import emitted_order, fx_order
@@ -107,7 +107,7 @@ def test_a_stack_computes_what_its_blocks_compute(run: str) -> None:
 
 
 def test_dynamo_traces_one_block_and_the_backend_calls_it_per_block() -> None:
-    """NOTE [stacked blocks]: Dynamo's graph holds one loop over the stacked parameters, whose body is
+    """(NOTE [stacked blocks]) Dynamo's graph holds one loop over the stacked parameters, whose body is
     one block; the backend unrolls it (NOTE [unrolled stacks]) into a call of that body per block,
     each reading its own block's parameters, with no stack left to build."""
     stacked = _llama(True)
@@ -147,7 +147,7 @@ def _joint_graphs_built(run: Any) -> int:
 
 
 def test_dynamo_gets_the_stacks_values_without_its_joint_graph() -> None:
-    """NOTE [scan example values]: for our backend, Dynamo's fake run of the stack's loop builds no joint
+    """(NOTE [scan example values]) For our backend, Dynamo's fake run of the stack's loop builds no joint
     graph (the backend unrolls the loop before AOTAutograd), and the loop's value still says it needs a
     gradient (the loss's backward reaches every block); another backend's trace of a scan that needs
     gradients still gets torch's own kernel."""
@@ -369,7 +369,7 @@ class StackSchedule(FakeWorldTestCase):
         assert "call" not in "".join(stacked)
 
     def test_a_block_accumulating_without_sync_runs_the_blocks_one_by_one(self) -> None:
-        """NOTE [no-sync]: each block's reads then pass its own accumulator, which one trace of block 0
+        """(NOTE [no-sync]) Each block's reads then pass its own accumulator, which one trace of block 0
         cannot; the stack runs its blocks in turn (no reduce-scatter of the blocks at all)."""
         groups = FsdpGroups.create()
         model = shard_blocks_then_root(_llama(True), groups)

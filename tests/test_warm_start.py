@@ -1,4 +1,4 @@
-"""Warm start (NOTE [warm start] in fsdp_compile/compile/cache.py): AOTAutograd's cache serves what our backend
+"""Warm start (NOTE [warm start] in fsdp_compile/compiler/cache.py): AOTAutograd's cache serves what our backend
 compiled, under a key that also holds our options, the ranks and our source, and is bypassed where the
 user asked to see each compile.
 
@@ -27,8 +27,8 @@ from torch._inductor.utils import fresh_cache
 
 from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile._compat import structured_trace_on
-from fsdp_compile.compile import backend, cache
-from fsdp_compile.compile.backend import observe_graphs
+from fsdp_compile.compiler import backend, cache
+from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import Transformer, loss_fn
 
 from .graph_utils import SMALL, fake_process_group, shard_blocks_then_root

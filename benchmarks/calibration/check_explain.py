@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fsdp_compile.inspect.explain import explain
+from fsdp_compile.examples.explain import explain
 from fsdp_compile.examples.models import ModelConfig
 
 

@@ -1,7 +1,7 @@
 """One flat shard per unit: the unit's shards are views of one tensor, which compiled code reads.
 
 NOTE [flat shards]: compile time per block grows with what Dynamo, AOTAutograd and Inductor are handed
-per block, and a Llama block's nine shards were nine graph inputs (each a fake tensor, a guard, a
+per block, and a Llama block's nine shards would be nine graph inputs (each a fake tensor, a guard, a
 placeholder in both graphs), nine gradients, and the views that pack them into the all-gather and
 unpack the reduce-scatter. So ``fully_shard`` lays a unit's shards out as one 1-D tensor per rank, in
 the unit's order, the ``flat``; each ``nn.Parameter`` stays the leaf the optimizer updates and the
@@ -63,7 +63,7 @@ def _eligible(unit: Unit) -> bool:
 
 
 def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
-    """NOTE [flat shards]: lay ``unit``'s shards out as one flat tensor (when ``wanted`` and it is
+    """(NOTE [flat shards]) Lay ``unit``'s shards out as one flat tensor (when ``wanted`` and it is
     eligible), each parameter's data a view of it."""
     unit.flat_wanted = wanted
     for sp in unit.params:

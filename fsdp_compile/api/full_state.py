@@ -85,7 +85,7 @@ def raise_on_every_rank(error: BaseException | None, what: str) -> None:
 
 def broadcast_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool, *,
                               caller: str = "") -> _IncompatibleKeys:
-    """NOTE [rank-0 broadcast]: load the full ``state_dict`` that global rank 0 holds (the others pass
+    """(NOTE [rank-0 broadcast]) Load the full ``state_dict`` that global rank 0 holds (the others pass
     ``{}``) into ``model``'s shards; collective over the default group. Every error, found on any rank,
     is raised on every rank."""
     caller = caller or "set_model_state_dict(broadcast_from_rank0=True)"

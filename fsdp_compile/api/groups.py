@@ -3,9 +3,9 @@
 NOTE [why two communicators]: one communicator (one NCCL process group) runs one collective at a time,
 whatever CUDA streams the caller uses: a reduce-scatter queued behind a prefetching all-gather waits for
 it. Giving the reduce-scatters their own group lets the last unit's reduce-scatter and the next unit's
-all-gather run at the same time, so the reduce-scatter can be launched as soon as its gradients exist
-(the seed change in shared/seeds/). Every rank must issue the collectives of both groups in the same
-order, or concurrent communicators deadlock: the passes make the schedule a pure function of the graph.
+all-gather run at the same time, so the reduce-scatter can be launched as soon as its gradients exist.
+Every rank must issue the collectives of both groups in the same order, or concurrent communicators
+deadlock: the passes make the schedule a pure function of the graph.
 
 NOTE [one gloo thread per group]: torch's gloo process group runs a group's collectives on two worker
 threads, and with two collectives of one group in flight (a prefetched all-gather, or two

@@ -31,15 +31,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from passes.graph_ops import REDUCE_GRAD_ARGS, UNSHARD_ARGS, by_name, in_order
+from fsdp_compile.passes.graph_ops import REDUCE_GRAD_ARGS, UNSHARD_ARGS, by_name, in_order
 
 __all__ = ["ANONYMOUS_UNIT", "unshard", "reduce_grad", "reduce_full_grad", "shard_rows"]
 
 _NAMESPACE = "fsdp"
 
 # The unit argument of a marker traced inside an outlined unit's forward, which every unit of its kind
-# shares: the backend fills in the unit (and the name, traced as "") from the shard (NOTE [outlined
-# units] in module.py).
+# shares: the backend fills in the unit (and the name, traced as "") from the shard
+# (NOTE [outlined units] in module.py).
 ANONYMOUS_UNIT = -1
 
 _warned = threading.Event()
@@ -117,7 +117,7 @@ def unshard(
 
 
 def _full_of(padded: Tensor, full_shape: list[int]) -> Tensor:
-    """NOTE [eager gather, no copy]: a tensor of ``full_shape`` over ``padded``'s storage, not a view of it."""
+    """(NOTE [eager gather, no copy]) A tensor of ``full_shape`` over ``padded``'s storage, not a view of it."""
     full = padded.new_empty(0)
     strides = torch.empty(full_shape, device="meta").stride()
     return full.set_(padded.untyped_storage(), padded.storage_offset(), full_shape, strides)

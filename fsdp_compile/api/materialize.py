@@ -74,7 +74,7 @@ def _original_slot(owner: nn.Module, name: str) -> dict[str, nn.Parameter | None
 
 
 def rebind_params(unit: Unit) -> bool:
-    """NOTE [converted parameters]: make each of ``unit``'s params the parameter its modules hold now;
+    """(NOTE [converted parameters]) Make each of ``unit``'s params the parameter its modules hold now;
     whether any had been replaced."""
     rebound = False
     for sp in unit.params:
@@ -133,7 +133,7 @@ def local_sums(params: Sequence[Tensor]) -> Tensor | None:
 
 
 def check_built_alike(module: nn.Module, unit_name: str, units: Sequence[Unit], groups: FsdpGroups) -> None:
-    """NOTE [ranks built alike]: compare the checksums of ``units`` not compared yet across the ranks of
+    """(NOTE [ranks built alike]) Compare the checksums of ``units`` not compared yet across the ranks of
     ``groups`` (every rank must call this at the same point, from ``fully_shard(module)``, whose class is
     ``unit_name``); raise a ``ValueError`` that says where and what differs, and names the fixes."""
     pending = [u.built_sums for u in units if u.built_sums is not None]

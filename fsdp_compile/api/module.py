@@ -47,7 +47,7 @@ class FsdpModule:
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
         """``nn.Module._apply`` (``to``, ``half``, ``to_empty``, ...), then the unit's flat shard laid out
-        again from the converted parameters (NOTE [flat shards] in ``flat.py``)."""
+        again from the converted parameters (NOTE [flat shards] in ``flat_shard.py``)."""
         out = super()._apply(fn, recurse)  # type: ignore[misc]
         unit = unit_of(self)  # type: ignore[arg-type]
         if unit is not None:

@@ -1,6 +1,6 @@
 """How a sharded parameter is read: the marker compiled code calls, and the guard against gathering.
 
-Split from ``sharding.py``: a sharded module's parameter is a property; read while Dynamo traces it is one
+A sharded module's parameter is a property (``sharding.py`` installs it); read while Dynamo traces it is one
 ``fsdp::unshard`` marker on the shard (NOTE [traced reads]), read eagerly it gathers through parametrize.
 """
 
@@ -22,7 +22,7 @@ def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
     """The marker compiled code calls (NOTE [traced reads]); the arguments are computed once
     (``traced_args``), not re-read per trace. It reads ``shard`` when given (a stacked block's, NOTE
     [stacked blocks]), else the parameter's piece of its unit's flat shard where it has one (NOTE [flat
-    shards] in ``flat.py``), else its shard."""
+    shards] in ``flat_shard.py``), else its shard."""
     if shard is None:
         flat = p.flat
         shard = p.shard if flat is None else flat.narrow(0, p.offset, math.prod(p.piece_shape)).view(p.piece_shape)
@@ -79,8 +79,8 @@ def traced_property(name: str, original: property) -> property:
     makes the same marker call.
 
     The shard is reached through the module's own ``_fsdp_reads`` dict (name -> ShardedParam), not
-    through parametrize's modules: at 32 blocks on torch 2.11's inline trace those modules and their
-    lookups were 2.0 of the 3.4 s that sharding added. A parameter
+    through parametrize's modules, whose lookups are most of what sharding adds to an inline trace
+    (docs/compile-time.md). A parameter
     given parametrizations of its own besides ``Unshard`` leaves that dict (``_Chain``), so the trace
     guarding on it compiles again, through parametrize's path, which applies them all."""
     through_parametrize = original.fget

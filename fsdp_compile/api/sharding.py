@@ -152,7 +152,7 @@ def fully_shard(
     its forward with another one, such as a transformer's blocks. Use ``False`` for a block whose
     forward Dynamo cannot trace whole (a graph break inside it).
     ``flat``: lay the unit's shards out as one flat tensor that compiled code reads (NOTE [flat shards] in
-    ``flat.py``: one input per unit, a faster compile); the parameters stay the leaves the optimizer
+    ``flat_shard.py``: one input per unit, a faster compile); the parameters stay the leaves the optimizer
     updates, and get their ``.grad`` after each backward. Use ``False`` where code differentiates with
     respect to the parameters themselves (``torch.autograd.grad(loss, params)``), which compiled code does
     not read then.
@@ -363,7 +363,7 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
 
 
 def _choose_outlined(units: list[Unit]) -> None:
-    """NOTE [outlined units]: make outline candidates of the units that hold no other unit and share their
+    """(NOTE [outlined units]) Make outline candidates of the units that hold no other unit and share their
     forward with another such unit, unless ``fully_shard(outline=)`` said otherwise; switch their classes
     (which blocks then share a body is decided from their traced graphs: NOTE [outlining by proof])."""
     inside: dict[int, list[Unit]] = {id(u): [] for u in units}

@@ -1,7 +1,7 @@
 """The layout of a sharded model's state dict under the user's names, and shards <-> DTensors.
 
-Split from ``checkpoint.py`` (NOTE there): what the sharded (DCP) and the full (export, rank-0 broadcast,
-``full_state.py``) state dicts share.
+What the sharded (DCP, ``checkpoint.py``) and the full (export, rank-0 broadcast, ``full_state.py``) state
+dicts share.
 """
 
 from __future__ import annotations

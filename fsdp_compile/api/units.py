@@ -49,7 +49,7 @@ class Unit:
     outline: bool | None = None  # what fully_shard(outline=) asked for; None: decide (NOTE [outlined units])
     outlined: bool = False  # an outline candidate: may share a body with identical blocks (NOTE [outlined units])
     stacked: bool = False  # a block of a BlockStack, traced once with the stack's other blocks (NOTE [stacked blocks])
-    flat: Tensor | None = None  # its shards as one tensor, each a view of it (NOTE [flat shards] in flat.py)
+    flat: Tensor | None = None  # its shards as one tensor, each a view of it (NOTE [flat shards] in flat_shard.py)
     flat_wanted: bool = True  # what fully_shard(flat=) asked for
     requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py
     pending: bool = False  # accumulated full gradients not yet reduced
@@ -92,7 +92,7 @@ class ShardedParam:
     # Its unit's ``accumulating``, kept by the unit: a compiled read checks this flag of its own, not the
     # unit every param of it shares (which Dynamo guards, for each param, as one object).
     accumulating: bool = False
-    # NOTE [flat shards] in flat.py: the unit's flat tensor that ``shard`` is a view of, from element
+    # NOTE [flat shards] in flat_shard.py: the unit's flat tensor that ``shard`` is a view of, from element
     # ``offset`` on; compiled code reads that piece of it. ``None``: compiled code reads ``shard``.
     flat: Tensor | None = None
     offset: int = 0

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fsdp_compile._compat import register_collective_work, resolve_group
 from fsdp_compile.emulate.timing import EmulatedTopology
-from fsdp_compile.inspect.hardware import Hardware, load_hardware
+from fsdp_compile.inspection.hardware import Hardware, load_hardware
 
 __all__ = ["BACKEND", "EmulatedGroup", "Ledger", "init_emulated_world", "emulated_topology", "ledger"]
 

@@ -11,7 +11,7 @@ one when they span hosts (a ring is as fast as its slowest link); an all-reduce 
 broadcast moves the buffer once, a barrier costs the latency. Collectives running at the same time on
 different communicators share the rank's links: ``k`` of them each advance at ``min(1, shared / k)``
 of their own solo rate, ``shared`` being how many solo collectives' worth of bytes per second the
-links carry together. The numbers come from ``Hardware`` (``fsdp_compile.inspect.hardware``) and a
+links carry together. The numbers come from ``Hardware`` (``fsdp_compile.inspection.hardware``) and a
 calibration file; ``shared`` from a measurement of an all-gather and a reduce-scatter run together on
 two communicators (``benchmarks/calibration/h200x2.json``).
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fsdp_compile.inspect.hardware import Hardware
+from fsdp_compile.inspection.hardware import Hardware
 
 __all__ = ["KINDS", "EmulatedTopology"]
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fsdp_compile.compile.backend import make_backend
+from fsdp_compile.compiler.backend import make_backend
 from fsdp_compile.api.groups import FsdpGroups
 from fsdp_compile.examples.launch import run_ranks
 from fsdp_compile.examples.models import PRESETS, Transformer, loss_fn

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import fx
 
-from passes.predicates import fsdp_meta, is_collective, is_wait, waited_collective
+from fsdp_compile.passes.predicates import fsdp_meta, is_collective, is_wait, waited_collective
 
 from fsdp_compile.safety import peers as _peers_mod
 from fsdp_compile._compat import group_timeout_s, resolve_group

@@ -72,7 +72,7 @@ def _value(node: fx.Node) -> object:
 
 
 def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """NOTE [flat markers]: the markers each ``invoke_subgraph`` call reads (of one unit, with every
+    """(NOTE [flat markers]) The markers each ``invoke_subgraph`` call reads (of one unit, with every
     argument but the shard, the shape and the name alike) become one ``fsdp::unshard_flat`` when they
     read every piece of one flat shard; any other marker is left as it is."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -94,7 +94,7 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def group_flat(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.Node, int], shared: list[object]) -> bool:
-    """NOTE [flat markers]: when ``markers`` (one outlined call's, of one unit, ``shared`` arguments alike)
+    """(NOTE [flat markers]) When ``markers`` (one outlined call's, of one unit, ``shared`` arguments alike)
     read pieces that tile one flat shard, replace them by one ``fsdp::unshard_flat`` of the flat; returns
     whether it did."""
     pieces = [flat_piece(UnshardArgs.of(m).shard) for m in markers]

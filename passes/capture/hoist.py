@@ -88,7 +88,7 @@ def _hoist_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> None:
 
 
 def hoist_unshards_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """NOTE [hoisting markers]: markers that read only body inputs move from each outlined body to its
+    """(NOTE [hoisting markers]) Markers that read only body inputs move from each outlined body to its
     calls; the body takes the gathered parameters as inputs."""
     for name, calls in subgraph_calls(gm).items():
         _hoist_body(gm, name, calls)

@@ -6,6 +6,9 @@ have traced without the region::
 
     before:  h1 = invoke_subgraph(body, 'id', x0, w0)[0]
     after:   h1 = <body ops>(x0, w0)
+
+:func:`inline_nested_pass` does the same inside the bodies of other higher-order ops (an outlined unit
+called inside an activation-checkpointed block): the passes schedule collectives in the outer graph only.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from collections.abc import Callable
 
 from torch import fx
 
-from ..subgraphs import subgraph_calls
+from ..subgraphs import hop_bodies, subgraph_calls
 
-__all__ = ["inline_subgraphs_pass"]
+__all__ = ["inline_nested_pass", "inline_subgraphs_pass"]
 
 
 def _inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule) -> None:
@@ -54,12 +57,10 @@ def _inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule) -> Non
         gm.graph.erase_node(attr)
 
 
-def inline_subgraphs_pass(gm: fx.GraphModule, *,
-                          keep: Callable[[fx.GraphModule], bool] = lambda body: False) -> fx.GraphModule:
-    """Inline every ``invoke_subgraph`` call whose body ``keep`` does not accept (default: all)."""
+def _inline(gm: fx.GraphModule, keep: Callable[[fx.GraphModule], bool], min_calls: int) -> None:
     for name, calls in subgraph_calls(gm).items():
         body = getattr(gm, name)
-        if keep(body):
+        if len(calls) >= min_calls and keep(body):
             continue
         for call in calls:
             _inline_call(gm, call, body)
@@ -67,5 +68,19 @@ def inline_subgraphs_pass(gm: fx.GraphModule, *,
             delattr(gm, name)  # (not delete_all_unused_submodules: it drops what nested bodies read)
     gm.graph.lint()
     gm.recompile()
+
+
+def inline_subgraphs_pass(gm: fx.GraphModule, *, keep: Callable[[fx.GraphModule], bool] = lambda body: False,
+                          min_calls: int = 1) -> fx.GraphModule:
+    """Inline every ``invoke_subgraph`` call whose body ``keep`` does not accept (default: all), and the
+    calls of bodies called fewer than ``min_calls`` times."""
+    _inline(gm, keep, min_calls)
     return gm
 
+
+def inline_nested_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Inline every ``invoke_subgraph`` call inside the bodies of ``gm``'s higher-order ops, outermost
+    first (a body inlined into another is then searched as part of it)."""
+    for body in hop_bodies(gm):
+        _inline(body, lambda body: False, 1)
+    return gm

@@ -231,7 +231,7 @@ def _alike(runs: list[_Run]) -> Iterator[list[_Run]]:
 
 
 def outline_blocks_pass(gm: fx.GraphModule, *, is_block: Callable[[type], bool]) -> fx.GraphModule:
-    """NOTE [outlining by proof]: the block runs of ``gm`` that are the same program share one
+    """(NOTE [outlining by proof]) The block runs of ``gm`` that are the same program share one
     ``invoke_subgraph`` body; every other run stays inline."""
     runs = [_Run(gm, nodes) for nodes in block_runs(gm, is_block)]
     renamed: dict[fx.Node, fx.Node] = {}

@@ -130,7 +130,7 @@ def _unrolled(gm: fx.GraphModule, scan: fx.Node) -> bool:
 
 
 def unroll_scans_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """NOTE [unrolled stacks]: each ``scan`` of ``gm`` whose body reads a sharded parameter, or whose
+    """(NOTE [unrolled stacks]) Each ``scan`` of ``gm`` whose body reads a sharded parameter, or whose
     inputs the graph stacked, becomes one ``invoke_subgraph`` call of its body per iteration; the calls
     of one body share one identifier. Other scans stay loops."""
     for scan in list(gm.graph.find_nodes(op="call_function", target=_scan)):

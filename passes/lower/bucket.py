@@ -38,8 +38,7 @@ is a gradient whose reduction casts it (``reduce_dtype`` other than its dtype): 
 writes it straight into its slice of the bucket, so alone it would save no copy, and for a flat shard
 (NOTE [flat shards]) the bucket's output *is* the unit's gradient where alone pieces are copied together
 again; what alone would cost is a launch per parameter, host time that a backward of large matmuls
-cannot spare (on one H200, a Llama-3-8B block's five large gradients cost five launches of ~0.15 ms each
-that left the GPU idle between them).
+cannot spare (the GPU idles between the launches: docs/performance.md).
 
 Only collectives of one group, one dtype and one world size share a bucket, and members are packed in
 graph order, which is the same on every rank. The bucket is placed where its first member was (an
@@ -346,7 +345,7 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
 
 
 def _alone(launch: fx.Node, alone_bytes: int | None) -> bool:
-    """NOTE [large params alone]: does this member keep its own collective?"""
+    """(NOTE [large params alone]) Does this member keep its own collective?"""
     meta = fsdp_meta(launch)
     if alone_bytes is None or meta.get("replicate_group") or (is_reduce_scatter(launch) and meta.get("casts")):
         return False

@@ -39,7 +39,7 @@ __all__ = ["expand_markers_pass"]
 
 
 def expand_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """NOTE [flat markers]: each ``fsdp::unshard_flat`` and ``fsdp::reduce_grad_flat`` of an AOTAutograd
+    """(NOTE [flat markers]) Each ``fsdp::unshard_flat`` and ``fsdp::reduce_grad_flat`` of an AOTAutograd
     graph split back into its per-parameter ``fsdp::unshard`` / ``fsdp::reduce_grad``."""
     for node in [n for n in gm.graph.nodes if is_flat_unshard(n) or is_flat_reduce_grad(n)]:
         expand_flat(gm, node)

@@ -49,7 +49,7 @@ __all__ = ["lower_grouped_pass"]
 
 def lower_grouped_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True,
                        rank_of: Callable[[str], int] | None = None, alone_bytes: int | None = None) -> fx.GraphModule:
-    """NOTE [grouped lowering]: each flat marker that is all of its unit in the graph becomes the unit's
+    """(NOTE [grouped lowering]) Each flat marker that is all of its unit in the graph becomes the unit's
     bucketed collective. ``rank_of`` and ``alone_bytes`` as in ``bucket_pass``, ``elide_single_rank``
     as in ``lower_unshard_pass``; whatever is not lowered here is left as it was."""
     markers = Counter()  # (unit, gather?) -> markers, flat or not

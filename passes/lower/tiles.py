@@ -104,7 +104,7 @@ def _is_sum_root(node: fx.Node) -> bool:
 
 
 def tiles_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """NOTE [tiled gradients]: each sum of ``slice_scatter``s into zeros that tiles its tensor becomes the
+    """(NOTE [tiled gradients]) Each sum of ``slice_scatter``s into zeros that tiles its tensor becomes the
     ``cat`` of the pieces, or the tensor they are consecutive pieces of."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not _is_sum_root(node) or node.target is not aten.add.Tensor:

@@ -204,7 +204,7 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, attr: str, inputs: Sequence[_Inp
 
 
 def absorb_copies_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """NOTE [copies inside bodies]: move each outlined unit's bucket copies into its body, where every
+    """(NOTE [copies inside bodies]) Move each outlined unit's bucket copies into its body, where every
     call of the body allows it."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for name, calls in subgraph_calls(gm).items():

@@ -11,8 +11,8 @@ compiled graphs depending on
 - the backend's options and cost model (prefetch depth, bucket caps, the schedule...),
 - each group's size and this process's rank in it (the in-place all-gather writes its rank's slice),
   and its timeout (how long the check-in inside the graph waits for peers),
-- fsdp-compile's own code: every source file of the packages ``fsdp_compile`` and ``passes`` as
-  imported (recursively), and the installed version,
+- fsdp-compile's own code: every source file of the package ``fsdp_compile`` (``fsdp_compile.passes``
+  included) as imported, and the installed version,
 
 so :func:`cache_key` digests those, and the backend sets it on the Dynamo graph as an attribute, which
 AOTAutograd's key covers (it pickles the graph module's attributes). A loaded graph runs none of our
@@ -20,7 +20,7 @@ compile-time steps: the lockstep check-in and the agreement check therefore live
 graph (``fsdp::check_in``, NOTE [lockstep]) so a loaded graph still does them.
 
 The backend bypasses the cache where a user asks to see each compile: schedule dumps, pass diffs,
-``observe_graphs``, the ``fsdp_schedule`` log, torch's structured trace (``TORCH_TRACE``, whose
+``observe_graphs``, the schedule log (``TORCH_LOGS=fsdp_compile``), torch's structured trace (``TORCH_TRACE``, whose
 schedule artifacts tlparse shows), and ``inductor=False`` (nothing serializable).
 """
 
@@ -36,7 +36,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
-from passes.predicates import ReduceGradArgs, UnshardArgs, is_reduce_grad, is_unshard
+from fsdp_compile import passes as _passes
+from fsdp_compile.passes.predicates import ReduceGradArgs, UnshardArgs, is_reduce_grad, is_unshard
 
 from fsdp_compile._compat import group_timeout_s, resolve_group
 
@@ -47,11 +48,11 @@ ATTRIBUTE = "fsdp_compile_cache_key"
 
 
 def installed_roots() -> tuple[Path, ...]:
-    """The folders of the installed packages ``fsdp_compile`` and ``passes``, as imported."""
-    import fsdp_compile
-    import passes
-
-    return tuple(Path(package.__file__).resolve().parent for package in (fsdp_compile, passes))
+    """The folders of fsdp-compile's source as imported: the package ``fsdp_compile``, and the folder of
+    ``fsdp_compile.passes`` where it lies outside it (a source tree keeps ``passes/`` at its top)."""
+    package = Path(__file__).resolve().parents[1]
+    passes = Path(_passes.__file__).resolve().parent
+    return (package,) if passes.is_relative_to(package) else (package, passes)
 
 
 def installed_version() -> str:

@@ -24,7 +24,7 @@ from fsdp_compile.emulate.group import init_emulated_world
 from fsdp_compile.emulate.measure import StepReport, measure_steps
 from fsdp_compile.emulate.timing import EmulatedTopology
 from fsdp_compile.examples.models import PRESETS, ModelConfig, Transformer, loss_fn
-from fsdp_compile.inspect.hardware import HARDWARE, load_hardware
+from fsdp_compile.inspection.hardware import HARDWARE, load_hardware
 
 __all__ = ["VARIANTS", "add_arguments", "main", "build_step", "meta_model", "run_variant", "train_flops"]
 

@@ -2,7 +2,7 @@
 
 On the meta device (and on a CPU) SDPA dispatches to its math path: the graph materialises the
 (seq x seq) scores, in fp32 for bf16 inputs, and the cost model would charge every one of those ops:
-at 8192 tokens most of a Llama step's estimated compute. On an H100/H200 the same call runs one fused
+at long sequences most of a step's estimated compute. On an H100/H200 the same call runs one fused
 kernel (flash or cuDNN) that never writes the scores. ``FusedAttention``, a ``TorchFunctionMode`` that
 Dynamo traces through, turns each SDPA call it can into ``aten._scaled_dot_product_flash_attention``,
 whose backward is ``_scaled_dot_product_flash_attention_backward``: the ops, FLOPs and bytes of the

@@ -5,7 +5,7 @@
 
     hw = load_hardware("h200", "benchmarks/calibration/h200x2.json")
 
-How the numbers are used is in ``fsdp_compile.inspect.cost``; where the H200's come from is
+How the numbers are used is in ``fsdp_compile.inspection.cost``; where the H200's come from is
 ``benchmarks/calibration/h200_kernels.json`` (``benchmarks/calibration/measure_kernels.py`` on one H200).
 """
 
@@ -63,14 +63,7 @@ class Hardware:
         return default
 
 
-# H100 SXM5 (NVIDIA H100 datasheet): 989 TFLOP/s dense bf16 (1979 with sparsity), 67 TFLOP/s fp32,
-# 3.35 TB/s HBM3. NVLink4: 900 GB/s bidirectional = 450 GB/s per direction; nccl-tests all-gather /
-# reduce-scatter on 8 GPUs report a busbw of about 350-380 GB/s. Inter-node: one 400 Gb/s NDR
-# InfiniBand NIC per GPU = 50 GB/s, about 40 GB/s achieved. NCCL's base latency is ~10-20 us per
-# collective; its tuning model (src/graph/tuning.cc, hwLat) charges ~0.5-3.4 us per NVLink ring step.
-# Compute is the H200's (same chip); see there. A collective beside compute: NCCL runs one thread block
-# per channel, up to 32 channels on NVLink (NCCL_MAX_NCHANNELS), so a matmul keeps ~100 of 132 SMs:
-# overlap_slowdown 0.2 (an estimate from that share, not a measurement).
+# H100 SXM5: datasheet numbers and NCCL's; where each comes from: docs/performance.md, "The presets".
 _H100 = Hardware(
     name="h100",
     peak_flops_bf16=989e12,
@@ -93,23 +86,10 @@ _H100 = Hardware(
     overlap_slowdown=0.2,
 )
 
-# H200 SXM (NVIDIA H200 datasheet): the H100's GH100 compute with 4.8 TB/s HBM3e, same NVLink4 and
-# networking. Measured on one H200 of this workplace (torch 2.11, benchmarks/calibration/
-# h200_kernels.json, from measure_kernels.py):
-# - a 2 GiB device copy: 4.21 TB/s read + write = 0.88 of 4.8;
-# - 150 bf16 matmuls of Llama/MLP shapes (m, n, k from 256 to 32000): fitted by
-#   790 TFLOP/s * m/(m+128) * n/(n+128) * k/(k+256) (matmuls over 0.1 ms: within 17%, rms 7%);
-#   790 / 989 = 0.8;
-# - causal SDPA (its default kernel), head dim 128: forward 0.87 and backward 0.79 of 989 TFLOP/s times
-#   s/(s+3584) on the causal FLOPs (within 25% over s = 2048..8192);
-# - torch.optim.AdamW (foreach) over 534M bf16 shards: 7.51 ms, i.e. the ~21 element passes the foreach
-#   kernels make (cost.OPTIMIZER_PASSES) at 2.99 TB/s = 0.62 of 4.8.
+# H200 SXM: the H100's compute with faster memory; the fractions fitted on one H200 (docs/performance.md).
 _H200 = dataclasses.replace(_H100, name="h200", memory_bandwidth=4.8e12)
 
-# A 2-core x86 CPU running gloo over loopback (rough, for the CI machine): AVX2 FMA peaks near
-# 100 GFLOP/s fp32 for 2 cores, MKL/oneDNN GEMMs reach ~30% of it under load (a few tens of GFLOP/s);
-# bf16 has no native units there, so it is slower; ~10 GB/s achieved memory bandwidth; gloo ring
-# collectives move ~1-2 GB/s through loopback TCP, with ~50 us per collective and ~10 us per step.
+# A 2-core x86 CPU running gloo over loopback (rough, for the CI machine; docs/performance.md).
 # All ranks share one host: ranks_per_node is large and both bandwidths are the loopback one.
 _CPU = Hardware(
     name="cpu",

@@ -17,9 +17,8 @@ _NEVER = 2**31 - 1
 def no_full_collections() -> Iterator[None]:
     """NOTE [no full collections]: a compile makes a great many objects that live until it ends (graphs,
     nodes, fake tensors), so Python's collector promotes them and every few thousand allocations runs a
-    full collection, each walking every object the process holds, torch's own included: at 32 blocks
-    five of them took 2.0 s of a 38 s CPU compile (0.4 s each), and on an H200's host the collector
-    took 2.1 s of 19.5 s (0.6 s at 4 blocks). While our backend compiles, only the young generations are
+    full collection, each walking every object the process holds, torch's own included: seconds of a
+    deep model's compile (docs/compile-time.md). While our backend compiles, only the young generations are
     collected (short-lived garbage goes as usual); what the compile leaves in the old generation waits
     for the first full collection after it. Nested compiles, a collector switched off and a user's own
     setting of the oldest generation's threshold are left as they are. Compiles of other backends in the
@@ -37,13 +36,11 @@ def no_full_collections() -> Iterator[None]:
 
 # NOTE [no full collections], to the end of our compile: the context above covers our backend and each
 # compiler it calls, but a Dynamo frame compile also builds guards after the backend returns, and that
-# is where a full collection went once the backend deferred its own (at 32 blocks on the CPU: 0.39 s in
-# build_guards of a 10.6 s compile). So the backend, when Dynamo calls it, also defers full collections
+# is where a full collection goes once the backend defers its own. So the backend, when Dynamo calls it, also defers full collections
 # to the end of the frame compile running now. Dynamo's compile-end callback ends the deferral; it is
 # registered on the first call of our backend and does nothing in a compile our backend was not part of
 # (no deferral to end). Dynamo's trace *before* our backend runs is not covered: nothing says, when a
-# compile starts, which backend it is for (at 32 blocks on the CPU that trace held one full collection,
-# 0.23 s), and holding every compile of the process for our sake would be a process-wide effect.
+# compile starts, which backend it is for, and holding every compile of the process for our sake would be a process-wide effect.
 _deferred: list[contextlib.ExitStack] = []
 
 

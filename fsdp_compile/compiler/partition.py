@@ -17,7 +17,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from passes.predicates import UnshardArgs, is_flat_unshard, is_unshard, schema_args
+from fsdp_compile.passes.predicates import UnshardArgs, is_flat_unshard, is_unshard, schema_args
 
 from fsdp_compile._compat import OpOverload, inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
 

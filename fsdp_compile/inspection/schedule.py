@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from passes.collective_regions import Region, regions
-from passes.predicates import collective_kind, fsdp_meta, is_collective, is_wait, op_name, tensor_bytes, waited_collective
+from fsdp_compile.passes.collective_regions import Region, regions
+from fsdp_compile.passes.predicates import collective_kind, fsdp_meta, is_collective, is_wait, op_name, tensor_bytes, waited_collective
 
 __all__ = ["Row", "rows", "listing", "in_flight_peaks", "group_labels", "graph_group_labels"]
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from torch import fx
 
-from passes.predicates import is_collective, is_wait, op_name, tensor_bytes
+from fsdp_compile.passes.predicates import is_collective, is_wait, op_name, tensor_bytes
 
-from fsdp_compile.inspect.cost import ATTENTION_OPS, MATMUL_OPS, ZERO_COST_OPS, node_bytes, node_flops, node_seconds, read_bytes
-from fsdp_compile.inspect.hardware import Hardware
+from fsdp_compile.inspection.cost import ATTENTION_OPS, MATMUL_OPS, ZERO_COST_OPS, node_bytes, node_flops, node_seconds, read_bytes
+from fsdp_compile.inspection.hardware import Hardware
 
 __all__ = ["graph_seconds", "fusion_groups"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
-from fsdp_compile.inspect.cost import Hardware
-from fsdp_compile.inspect.timeline import Timeline, chrome_trace, simulate, table, write_png
+from fsdp_compile.inspection.cost import Hardware
+from fsdp_compile.inspection.timeline import Timeline, chrome_trace, simulate, table, write_png
 
 __all__ = ["report", "dump"]
 

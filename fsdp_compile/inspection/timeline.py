@@ -4,7 +4,7 @@ The model follows NOTE [streams] (``passes/schedule/streams.py``): one compute s
 pack/unpack copies and waits in graph order; each collective launch is issued when the compute stream
 reaches it and runs on its annotated stream, a serial queue (``comm`` is one communicator shared by
 all-gathers and reduce-scatters, so they serialise there); a wait blocks the compute stream until its
-collective ends. Node costs come from ``fsdp_compile.inspect.cost``::
+collective ends. Node costs come from ``fsdp_compile.inspection.cost``::
 
     tl = simulate(graphs["backward"], load_hardware("h200"))
     tl.summary()                    # step time, exposed communication %, peak bytes in flight
@@ -20,12 +20,12 @@ from pathlib import Path
 
 from torch import fx
 
-from passes.predicates import collective_kind, is_collective, is_wait, op_name, waited_collective
+from fsdp_compile.passes.predicates import collective_kind, is_collective, is_wait, op_name, waited_collective
 
-from fsdp_compile.inspect.cost import collective_bytes, launch_seconds
-from fsdp_compile.inspect.fusion import graph_seconds
-from fsdp_compile.inspect.hardware import Hardware
-from fsdp_compile.inspect.schedule import Row, graph_group_labels, in_flight_peaks, rows
+from fsdp_compile.inspection.cost import collective_bytes, launch_seconds
+from fsdp_compile.inspection.fusion import graph_seconds
+from fsdp_compile.inspection.hardware import Hardware
+from fsdp_compile.inspection.schedule import Row, graph_group_labels, in_flight_peaks, rows
 
 __all__ = ["Span", "Timeline", "simulate", "table", "chrome_trace", "write_png"]
 
@@ -207,7 +207,7 @@ def _runs(all_rows: list[Row], min_run: int = 3) -> list[list[Row]]:
 
 def table(gm: fx.GraphModule, timeline: Timeline, groups: Mapping[str, str] | None = None) -> str:
     """The schedule of ``gm`` (one line per launch, wait, and run of compute or copies, as in
-    ``fsdp_compile.inspect.schedule.rows``) with estimated start and end times in microseconds.
+    ``fsdp_compile.inspection.schedule.rows``) with estimated start and end times in microseconds.
 
     ``groups`` maps process-group names to labels (default: ``schedule.graph_group_labels(gm)``:
     ``ag``, ``rs``, ``ag+rs``, ``rep``). Three or more consecutive pack (or unpack) rows of different

@@ -20,9 +20,8 @@ How the model reads a GPU, and what it leaves out:
   traffic once.
 - Each kernel costs at least ``kernel_latency``.
 
-The estimates rank schedules and show where communication is exposed (``fsdp_compile.inspect.timeline``);
-against six measured H200 steps they land within 12% (README, "See the schedule";
-``benchmarks/calibration/check_explain.py``).
+The estimates rank schedules and show where communication is exposed (``fsdp_compile.inspection.timeline``);
+how close they come to real steps: docs/performance.md, ``benchmarks/calibration/check_explain.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from passes.predicates import (
+from fsdp_compile.passes.predicates import (
     collective_kind,
     is_all_gather,
     is_collective,
@@ -44,7 +43,7 @@ from passes.predicates import (
 )
 
 from fsdp_compile._compat import resolve_group
-from fsdp_compile.inspect.hardware import HARDWARE, Hardware, detect_hardware, load_hardware, write_calibration
+from fsdp_compile.inspection.hardware import HARDWARE, Hardware, detect_hardware, load_hardware, write_calibration
 
 __all__ = [
     "Hardware",
@@ -301,7 +300,7 @@ def node_seconds(node: fx.Node, hw: Hardware) -> float:
 # --- the optimizer step ---------------------------------------------------------------------------
 
 # Passes over one element of parameter-sized state that torch.optim's foreach implementation makes per
-# step (reads + writes, counted in torch/optim/adam.py and sgd.py, default settings): AdamW multiplies
+# step (reads + writes, counted in torch/optim/adam.py and torch/optim/sgd.py, default settings): AdamW multiplies
 # params by 1 - lr*wd (2), lerps exp_avg (3), scales and addcmuls exp_avg_sq (2 + 4), takes its sqrt,
 # divides, adds eps (2 + 2 + 2) and addcdivs the params (4). Adam has no decay pass. SGD with momentum:
 # buf = momentum * buf + grad (2 + 3), params -= lr * buf (3).

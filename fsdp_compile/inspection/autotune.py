@@ -1,7 +1,7 @@
 """``"auto"`` settings: pick the prefetch depth and the reduce-scatter cap with the cost model.
 
-Given a graph already lowered and bucketed, each candidate is scheduled on a copy with the pure
-passes and simulated (``timeline.simulate``); the winner is the *smallest* setting whose estimated
+Given a graph already lowered and bucketed, each candidate is scheduled on a copy by the caller's
+``schedule`` (the backend's scheduling stage) and simulated (``timeline.simulate``); the winner is the *smallest* setting whose estimated
 time is within ``tolerance`` of the best, since a deeper prefetch or a larger cap holds more memory.
 Depth is chosen first (with the default cap), then the cap (with that depth).
 """
@@ -9,18 +9,15 @@ Depth is chosen first (with the default cap), then the cap (with that depth).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import fx
 
-from passes.collective_regions import regions
-from passes.schedule.prefetch import prefetch_pass
-from passes.schedule.reduce_scatter import reduce_scatter_pass
-from passes.schedule.streams import streams_pass
+from fsdp_compile.passes.collective_regions import regions
 
-from fsdp_compile.inspect.cost import Hardware
-from fsdp_compile.inspect.timeline import simulate
+from fsdp_compile.inspection.cost import Hardware
+from fsdp_compile.inspection.timeline import simulate
 
 __all__ = ["Choice", "choose"]
 
@@ -34,12 +31,11 @@ class Choice:
     reduce_scatter_bytes: int | str | None
 
 
-def _time(gm: fx.GraphModule, hw: Hardware, depth: int, prefetch_bytes: int | None, schedule: str,
-          cap: int | str | None) -> float:
-    g = copy.deepcopy(gm)
-    g = prefetch_pass(g, depth=depth, max_bytes=prefetch_bytes)
-    g = reduce_scatter_pass(g, schedule=schedule, max_bytes=cap)
-    return simulate(streams_pass(g), hw).step_seconds
+Schedule = Callable[[fx.GraphModule, Choice], fx.GraphModule]
+
+
+def _time(gm: fx.GraphModule, hw: Hardware, schedule: Schedule, depth: int, cap: int | str | None) -> float:
+    return simulate(schedule(copy.deepcopy(gm), Choice(prefetch=depth, reduce_scatter_bytes=cap)), hw).step_seconds
 
 
 def _smallest_near_best(times: Sequence[tuple[object, float]], tolerance: float) -> object:
@@ -52,21 +48,21 @@ def choose(
     hw: Hardware,
     *,
     prefetch: int | str,
-    prefetch_bytes: int | None,
-    schedule: str,
     reduce_scatter_bytes: int | str | None,
+    schedule: Schedule,
     tolerance: float = 0.005,
 ) -> Choice:
-    """Resolve ``"auto"`` in ``prefetch`` and ``reduce_scatter_bytes`` for ``gm`` on ``hw``."""
+    """Resolve ``"auto"`` in ``prefetch`` and ``reduce_scatter_bytes`` for ``gm`` on ``hw``; ``schedule``
+    schedules a copy of ``gm`` under a candidate ``Choice``."""
     depth = prefetch
     if depth == "auto":
-        times = [(d, _time(gm, hw, d, prefetch_bytes, schedule, "auto")) for d in DEPTHS]
+        times = [(d, _time(gm, hw, schedule, d, "auto")) for d in DEPTHS]
         depth = _smallest_near_best(times, tolerance)  # type: ignore[assignment]
     cap = reduce_scatter_bytes
     scatters = regions(gm, "reduce_scatter")
     if cap == "auto" and scatters:
         largest = max(r.in_bytes for r in scatters)
         options: list[int | None] = [k * largest for k in CAP_BUCKETS] + [None]
-        times = [(c, _time(gm, hw, depth, prefetch_bytes, schedule, c)) for c in options]  # type: ignore[arg-type]
+        times = [(c, _time(gm, hw, schedule, depth, c)) for c in options]  # type: ignore[arg-type]
         cap = _smallest_near_best(times, tolerance)  # type: ignore[assignment]
     return Choice(prefetch=depth, reduce_scatter_bytes=cap)  # type: ignore[arg-type]

@@ -28,15 +28,15 @@ import torch.distributed as dist
 from torch import Tensor, fx, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdp_compile.compile.backend import make_backend, observe_graphs
-from fsdp_compile.inspect.cost import OPTIMIZER_PASSES, optimizer_seconds
-from fsdp_compile.inspect.fused_attention import FusedAttention
 from fsdp_compile.api.groups import FsdpGroups
-from fsdp_compile.inspect.hardware import Hardware, load_hardware
-from fsdp_compile.examples.models import PRESETS, ModelConfig, Transformer, loss_fn
-from fsdp_compile.inspect.schedule import group_labels
 from fsdp_compile.api.sharding import fully_shard
-from fsdp_compile.inspect.timeline import Span, Timeline, chrome_trace, simulate, table, write_png
+from fsdp_compile.compiler.backend import make_backend, observe_graphs
+from fsdp_compile.examples.models import PRESETS, ModelConfig, Transformer, loss_fn
+from fsdp_compile.inspection.cost import OPTIMIZER_PASSES, optimizer_seconds
+from fsdp_compile.inspection.fused_attention import FusedAttention
+from fsdp_compile.inspection.hardware import Hardware, load_hardware
+from fsdp_compile.inspection.schedule import group_labels
+from fsdp_compile.inspection.timeline import Span, Timeline, chrome_trace, simulate, table, write_png
 
 __all__ = ["Explanation", "explain"]
 

@@ -1,0 +1,90 @@
+"""Outlined bodies before AOTAutograd: every ``fsdp::unshard`` marker named after the shard it reads.
+
+Dynamo hands the backend each outlined unit's forward as calls of one ``invoke_subgraph`` body (NOTE
+[outlined units] in ``module.py``) whose markers carry no unit or name. The capture stage
+(``pipeline.py``) hoists them out to the calls (``passes/capture/hoist.py``), inlines the bodies that
+cannot stay outlined (a marker left inside, too few ops, called once, ``make_backend(outline=False)``,
+or inside another higher-order op's body such as an activation-checkpointed block), then
+:func:`name_markers` gives each anonymous marker the unit and name of the shard it reads: what only the
+compiler knows, as it holds the example inputs and the sharded parameters behind them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from fsdp_compile.passes.predicates import UnshardArgs, flat_piece, is_reduce_grad, is_unshard
+from fsdp_compile.passes.subgraphs import hop_calls, holds
+
+from fsdp_compile.api.flat_shard import flat_member
+from fsdp_compile.api.markers import ANONYMOUS_UNIT
+from fsdp_compile.api.units import sharded_param
+
+__all__ = ["name_markers", "worth_a_call"]
+
+
+def name_markers(gm: fx.GraphModule, *, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Each anonymous marker of ``gm`` and of the bodies it calls given the unit and name of the shard it
+    reads (NOTE [outlined units])."""
+    _name_markers(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
+    return gm
+
+
+def _value(gm: fx.GraphModule, values: dict[fx.Node, object], node: object) -> object:
+    """What ``node`` of ``gm`` stands for: a placeholder's entry in ``values``, an attribute of ``gm``."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "placeholder":
+        return values.get(node)
+    if node.op == "get_attr":
+        value: object = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        return value
+    return None
+
+
+def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
+    """Name each anonymous marker of ``gm`` (and of the bodies it calls) after its shard; ``values``: the
+    tensors ``gm``'s placeholders stand for."""
+    for node in gm.graph.nodes:
+        if is_unshard(node) and UnshardArgs.of(node).unit == ANONYMOUS_UNIT:
+            shard = UnshardArgs.of(node).shard
+            tensor = _value(gm, values, shard)
+            sp = sharded_param(tensor) if isinstance(tensor, torch.Tensor) else None
+            piece = flat_piece(shard) if sp is None else None
+            if piece is not None:  # a piece of a flat shard (NOTE [flat shards] in flat_shard.py)
+                sp = flat_member(_value(gm, values, piece[0]), piece[1])
+            assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
+            _set_marker_arg(node, "unit", sp.unit.index)
+            _set_marker_arg(node, "name", sp.fqn)
+    for call, body, start in hop_calls(gm):
+        if holds(body, is_unshard):
+            placeholders = body.graph.find_nodes(op="placeholder")
+            _name_markers(body, {p: _value(gm, values, a) for p, a in zip(placeholders, call.args[start:])})
+            body.recompile()
+
+
+# A body of fewer ops is inlined: a call costs Inductor the fusion of the body's first and last ops with
+# their neighbours, and saves little compile time (a block of one linear layer, say).
+_MIN_BODY_OPS = 8
+
+
+def worth_a_call(body: fx.GraphModule) -> bool:
+    """Keep an outlined body: no marker left inside (NOTE [hoisting markers]), and enough ops."""
+    if holds(body, lambda n: is_unshard(n) or is_reduce_grad(n)):
+        return False
+    return sum(n.op == "call_function" for n in body.graph.nodes) >= _MIN_BODY_OPS
+
+
+def _set_marker_arg(node: fx.Node, name: str, value: object) -> None:
+    schema = torch.ops.fsdp.unshard.default._schema
+    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
+    if index < len(node.args):
+        node.update_arg(index, value)
+    else:
+        node.update_kwarg(name, value)

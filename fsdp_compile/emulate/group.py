@@ -170,8 +170,7 @@ class EmulatedGroup(dist.ProcessGroup):
         stream, caller = self._streams[index], torch.cuda.current_stream(index)
         stream.wait_stream(caller)
         self._token += 1
-        solo_ns = int(_state.topology.solo_seconds(kind if kind in _TIMED else "all_to_all", full_bytes,
-                                                   self._ranks) * 1e9)
+        solo_ns = int(_state.topology.solo_seconds(kind, full_bytes, self._ranks) * 1e9)
         with torch.cuda.stream(stream):
             src, dst, mode, scale = kernel if kernel is not None else (None, None, "none", 1.0)
             if kernel is None:
@@ -311,9 +310,6 @@ class EmulatedGroup(dist.ProcessGroup):
                                   "cannot be emulated; run data-parallel collectives only")
 
     recv = send
-
-
-_TIMED = {"all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "barrier"}
 
 
 def _create(opts: Any, backend_options: Any) -> EmulatedGroup:

@@ -73,11 +73,17 @@ def test_exposed_time_is_communication_that_no_other_work_covers() -> None:
     busy = [(1.0, 2.0), (5.0, 12.0)]
     assert exposed_seconds(comm, busy) == pytest.approx(1.0 + 3.0)  # [0,1) and [2,5)
     assert exposed_seconds(comm, []) == pytest.approx(7.0)
-    events = [{"ph": "X", "cat": "kernel", "name": "emulated_all_gather", "ts": 0, "dur": 4e6},
-              {"ph": "X", "cat": "kernel", "name": "ampere_gemm", "ts": 1e6, "dur": 1e6},
-              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9e6}]
+    # stream 7 is a communicator's: the copy before a kind's kernel is that collective's data
+    events = [{"ph": "X", "cat": "kernel", "name": "elementwise_copy", "ts": 0, "dur": 1e6, "tid": 7},
+              {"ph": "X", "cat": "kernel", "name": "emulated_all_gather", "ts": 1e6, "dur": 3e6, "tid": 7},
+              {"ph": "X", "cat": "kernel", "name": "reduce_kernel", "ts": 5e6, "dur": 1e6, "tid": 7},
+              {"ph": "X", "cat": "kernel", "name": "emulated_reduce_scatter", "ts": 6e6, "dur": 1e6, "tid": 7},
+              {"ph": "X", "cat": "kernel", "name": "ampere_gemm", "ts": 1e6, "dur": 1e6, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9e6, "tid": 1}]
     comm_by_kind, other = timeline_of_trace(events)
-    assert comm_by_kind == {"all_gather": [(0.0, 4.0)]} and other == [(1.0, 2.0)]
+    assert {k: sorted(v) for k, v in comm_by_kind.items()} == {"all_gather": [(0.0, 1.0), (1.0, 4.0)],
+                                                                "reduce_scatter": [(5.0, 6.0), (6.0, 7.0)]}
+    assert other == [(1.0, 2.0)]
 
 
 # --- bookkeeping, without a GPU -------------------------------------------------------------------

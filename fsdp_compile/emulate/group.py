@@ -112,8 +112,8 @@ def _scale(op: Any, n: int, kind: str) -> float:
     return 1.0 / n if kind == "reduce_scatter" else 1.0
 
 
-def _flat(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.is_contiguous() and t.dtype.is_floating_point
+def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
+    return t if scale == 1.0 else t.mul_(scale)
 
 
 class EmulatedGroup(dist.ProcessGroup):
@@ -148,10 +148,9 @@ class EmulatedGroup(dist.ProcessGroup):
     # --- one launch ------------------------------------------------------------------------------
 
     def _launch(self, kind: str, full_bytes: int, tensors: Sequence[torch.Tensor], move: Callable[[], None],
-                result: list[torch.Tensor], kernel: tuple[torch.Tensor | None, torch.Tensor, str, float] | None = None,
-                ) -> _Work:
-        """Count the collective, then run it: ``kernel`` = (src, dst, mode, scale) on the GPU where it
-        applies, else ``move`` (torch ops) followed by a timing-only kernel; on CPU, ``move`` at once."""
+                result: list[torch.Tensor]) -> _Work:
+        """Count the collective, then run it: on the GPU, ``move`` (torch ops) between the kernels of NOTE
+        [emulated kernel] on the group's stream; on CPU, ``move`` at once."""
         assert _state is not None, "an emulated group outlived its world"
         _state.ledger.add(kind, full_bytes)
         cuda = [t for t in tensors if t.is_cuda]
@@ -164,20 +163,19 @@ class EmulatedGroup(dist.ProcessGroup):
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._streams:
             self._streams[index] = torch.cuda.Stream(device=index)
-            self._flags[index] = torch.zeros(1, dtype=torch.int64, device=device)
+            self._flags[index] = torch.zeros(2, dtype=torch.int64, device=device)  # token, start
         if index not in _state.active:
             _state.active[index] = torch.zeros(1, dtype=torch.int64, device=device)
         stream, caller = self._streams[index], torch.cuda.current_stream(index)
         stream.wait_stream(caller)
         self._token += 1
         solo_ns = int(_state.topology.solo_seconds(kind, full_bytes, self._ranks) * 1e9)
-        with torch.cuda.stream(stream):
-            src, dst, mode, scale = kernel if kernel is not None else (None, None, "none", 1.0)
-            if kernel is None:
-                move()
-            kernels.launch(kind, src=src, dst=dst, mode=mode, scale=scale, active=_state.active[index],
-                           flag=self._flags[index], token=self._token, solo_ns=solo_ns,
-                           shared=_state.topology.shared, blocks=_state.topology.blocks)
+        flag = self._flags[index]
+        with torch.cuda.stream(stream):  # NOTE [emulated kernel]: stamp, move the data, hold
+            kernels.stamp(_state.active[index], flag[1:])
+            move()
+            kernels.hold(kind, active=_state.active[index], flag=flag[:1], slot=flag[1:], token=self._token,
+                         solo_ns=solo_ns, shared=_state.topology.shared, blocks=_state.topology.blocks)
             done = torch.cuda.Event()
             done.record(stream)
         for t in cuda:
@@ -192,9 +190,8 @@ class EmulatedGroup(dist.ProcessGroup):
         def move() -> None:
             output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
 
-        kernel = (input, output, "gather", 1.0) if _flat(output) and input.is_contiguous() else None
         return self._launch("all_gather", output.numel() * output.element_size(), [output, input], move,
-                            [output], kernel)
+                            [output])
 
     _allgather_base = all_gather_single
 
@@ -229,12 +226,11 @@ class EmulatedGroup(dist.ProcessGroup):
                                        "reduce_scatter")
 
         def move() -> None:
-            torch.sum(input.reshape(n, -1), dim=0, out=output.view(-1)).mul_(scale) if output.dtype.is_floating_point \
+            _scaled(torch.sum(input.reshape(n, -1), dim=0, out=output.view(-1)), scale) if output.dtype.is_floating_point \
                 else output.view(-1).copy_(input.reshape(n, -1)[0])
 
-        kernel = (input, output, "reduce", scale) if _flat(output) and input.is_contiguous() else None
         return self._launch("reduce_scatter", input.numel() * input.element_size(), [output, input], move,
-                            [output], kernel)
+                            [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -245,7 +241,7 @@ class EmulatedGroup(dist.ProcessGroup):
         def move() -> None:
             for o, ins in zip(outputs, input_lists):
                 if o.dtype.is_floating_point:
-                    torch.stack(list(ins)).sum(0, out=o).mul_(scale)
+                    _scaled(torch.stack(list(ins)).sum(0, out=o), scale)
                 else:
                     o.copy_(ins[0])
 
@@ -261,7 +257,7 @@ class EmulatedGroup(dist.ProcessGroup):
         def move() -> None:
             for o, i in zip(outputs, inputs):
                 if o.dtype.is_floating_point:
-                    torch.sum(i.reshape(n, -1), dim=0, out=o.view(-1)).mul_(scale)
+                    _scaled(torch.sum(i.reshape(n, -1), dim=0, out=o.view(-1)), scale)
                 else:
                     o.view(-1).copy_(i.reshape(n, -1)[0])
 
@@ -281,9 +277,7 @@ class EmulatedGroup(dist.ProcessGroup):
                     t.mul_(int(scale) if not t.dtype.is_floating_point else scale)
 
         full = sum(t.numel() * t.element_size() for t in tensors)
-        one = len(tensors) == 1 and _flat(tensors[0]) and scale != 1.0
-        kernel = (None, tensors[0], "inplace", scale) if one else None
-        return self._launch("all_reduce", full, list(tensors), move, list(tensors), kernel)
+        return self._launch("all_reduce", full, list(tensors), move, list(tensors))
 
     allreduce_coalesced = allreduce
 

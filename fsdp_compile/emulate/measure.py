@@ -63,16 +63,22 @@ def timeline_of_trace(events: Iterable[dict[str, Any]]) -> tuple[dict[str, list[
     """From Chrome-trace events: each collective kind's GPU intervals and every other GPU activity's (s)."""
     comm: dict[str, list[Interval]] = {}
     busy: list[Interval] = []
+    streams: dict[Any, list[tuple[Interval, str]]] = {}
     for ev in events:
         if ev.get("ph") != "X" or ev.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         span = (ev["ts"] * 1e-6, (ev["ts"] + ev.get("dur", 0)) * 1e-6)
-        name = str(ev.get("name", ""))
-        if name.startswith(_PREFIX):
-            kind = next((k for n, k in _KIND_OF.items() if name.startswith(n)), "other")
+        streams.setdefault((ev.get("pid"), ev.get("tid")), []).append((span, str(ev.get("name", ""))))
+    for spans in streams.values():
+        if not any(name.startswith(_PREFIX) for _, name in spans):
+            busy += [span for span, _ in spans]
+            continue
+        # A communicator's stream: the copies before a kind's kernel are that collective's data
+        # (NOTE [emulated kernel]).
+        kind = "other"
+        for span, name in sorted(spans, reverse=True):
+            kind = next((k for n, k in _KIND_OF.items() if name.startswith(n)), kind)
             comm.setdefault(kind, []).append(span)
-        else:
-            busy.append(span)
     return comm, busy
 
 

@@ -123,7 +123,7 @@ class EmulatedGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._ranks = list(ranks)
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._flags: dict[int, torch.Tensor] = {}
+        self._flags: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # device index -> (flag, start)
         self._token = 0
         self._name = self._desc = ""
 
@@ -163,18 +163,19 @@ class EmulatedGroup(dist.ProcessGroup):
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._streams:
             self._streams[index] = torch.cuda.Stream(device=index)
-            self._flags[index] = torch.zeros(2, dtype=torch.int64, device=device)  # token, start
+            slots = torch.zeros(2, dtype=torch.int64, device=device)
+            self._flags[index] = (slots[:1], slots[1:])  # the last finished token, the running one's start
         if index not in _state.active:
             _state.active[index] = torch.zeros(1, dtype=torch.int64, device=device)
         stream, caller = self._streams[index], torch.cuda.current_stream(index)
         stream.wait_stream(caller)
         self._token += 1
         solo_ns = int(_state.topology.solo_seconds(kind, full_bytes, self._ranks) * 1e9)
-        flag = self._flags[index]
+        flag, start = self._flags[index]
         with torch.cuda.stream(stream):  # NOTE [emulated kernel]: stamp, move the data, hold
-            kernels.stamp(_state.active[index], flag[1:])
+            kernels.stamp(_state.active[index], start)
             move()
-            kernels.hold(kind, active=_state.active[index], flag=flag[:1], slot=flag[1:], token=self._token,
+            kernels.hold(kind, active=_state.active[index], flag=flag, slot=start, token=self._token,
                          solo_ns=solo_ns, shared=_state.topology.shared, blocks=_state.topology.blocks)
             done = torch.cuda.Event()
             done.record(stream)

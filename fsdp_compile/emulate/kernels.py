@@ -8,9 +8,7 @@ NOTE [emulated kernel]: on the communicator's stream a collective is three launc
 2. The data moves through device memory as a rank's NCCL kernel would move it, with torch's own copy and
    reduction kernels at full device bandwidth: an all-gather writes its whole output from its input (the
    input repeated: rank 0's data in every rank's place); a reduce-scatter reads its whole input and writes
-   the sum (or mean) of its chunks. (A kernel of the collective's few thread blocks copying the bytes
-   itself was measured 3-5x slower than the modelled time on an H100: 16 blocks cannot draw the device's
-   bandwidth.)
+   the sum (or mean) of its chunks. The collective's few thread blocks could not draw that bandwidth.
 3. The kind's kernel (``emulated_all_gather`` ...) with ``blocks`` programs: block 0 advances the
    collective's progress with the clock from the stamp, at ``min(1, shared / k)`` of its solo rate while
    ``k`` collectives run (NOTE [emulated time]), until the progress reaches its solo time; it takes one off

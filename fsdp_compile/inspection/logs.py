@@ -4,8 +4,8 @@ NOTE [schedules in TORCH_LOGS]: the schedule table goes to this module's Python 
 ``TORCH_LOGS=fsdp_compile`` (torch's setting for the logs of any module it can find: the package and
 every module in it) prints it, with fsdp-compile's other INFO lines; ``TORCH_LOGS=fsdp_compile.inspection.logs``
 prints the tables alone, and in code the standard ``logging`` module does the same
-(``logging.basicConfig()`` and ``logging.getLogger("fsdp_compile").setLevel(logging.INFO)``). To find the modules, torch imports ``fsdp_compile`` at ``import torch`` when the setting
-names it. A level set on these loggers turns the tables on, not one inherited from the root logger: an
+(``logging.basicConfig()`` and ``logging.getLogger("fsdp_compile").setLevel(logging.INFO)``). To find the
+modules, torch imports ``fsdp_compile`` at ``import torch`` when the setting names it. A level set on these loggers turns the tables on, not one inherited from the root logger: an
 application's ``logging.basicConfig(level=logging.INFO)`` does not (the tables cost a compile from the cache).
 
 The text log comes from rank 0 alone by default (every rank compiles the same schedule: the agreement

@@ -112,6 +112,15 @@ def _scale(op: Any, n: int, kind: str) -> float:
     return 1.0 / n if kind == "reduce_scatter" else 1.0
 
 
+# What the kernel moves itself (``kernels.hold``'s ``move``): (mode, src, dst, elements per chunk, chunks, scale).
+_Data = tuple[str, torch.Tensor, torch.Tensor, int, int, float] | None
+
+
+def _in_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether the collective's kernel can move these tensors' data itself: contiguous floating CUDA tensors."""
+    return all(t.is_cuda and t.is_contiguous() and t.dtype.is_floating_point for t in tensors)
+
+
 def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
     return t if scale == 1.0 else t.mul_(scale)
 
@@ -123,7 +132,7 @@ class EmulatedGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._ranks = list(ranks)
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._flags: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # device index -> (flag, start)
+        self._flags: dict[int, torch.Tensor] = {}  # device index -> the communicator's flag
         self._token = 0
         self._name = self._desc = ""
 
@@ -148,9 +157,10 @@ class EmulatedGroup(dist.ProcessGroup):
     # --- one launch ------------------------------------------------------------------------------
 
     def _launch(self, kind: str, full_bytes: int, tensors: Sequence[torch.Tensor], move: Callable[[], None],
-                result: list[torch.Tensor]) -> _Work:
-        """Count the collective, then run it: on the GPU, ``move`` (torch ops) between the kernels of NOTE
-        [emulated kernel] on the group's stream; on CPU, ``move`` at once."""
+                result: list[torch.Tensor], data: _Data = None) -> _Work:
+        """Count the collective, then run it: on the GPU, the kernel of NOTE [emulated kernel] on the group's
+        stream, moving ``data`` itself (or after ``move``'s torch ops where ``data`` is ``None``); on CPU,
+        ``move`` at once."""
         assert _state is not None, "an emulated group outlived its world"
         _state.ledger.add(kind, full_bytes)
         cuda = [t for t in tensors if t.is_cuda]
@@ -163,20 +173,18 @@ class EmulatedGroup(dist.ProcessGroup):
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._streams:
             self._streams[index] = torch.cuda.Stream(device=index)
-            slots = torch.zeros(2, dtype=torch.int64, device=device)
-            self._flags[index] = (slots[:1], slots[1:])  # the last finished token, the running one's start
+            self._flags[index] = torch.zeros(1, dtype=torch.int64, device=device)  # the last finished token
         if index not in _state.active:
             _state.active[index] = torch.zeros(1, dtype=torch.int64, device=device)
         stream, caller = self._streams[index], torch.cuda.current_stream(index)
         stream.wait_stream(caller)
         self._token += 1
         solo_ns = int(_state.topology.solo_seconds(kind, full_bytes, self._ranks) * 1e9)
-        flag, start = self._flags[index]
-        with torch.cuda.stream(stream):  # NOTE [emulated kernel]: stamp, move the data, hold
-            kernels.stamp(_state.active[index], start)
-            move()
-            kernels.hold(kind, active=_state.active[index], flag=flag, slot=start, token=self._token,
-                         solo_ns=solo_ns, shared=_state.topology.shared, blocks=_state.topology.blocks)
+        with torch.cuda.stream(stream):
+            if data is None:
+                move()
+            kernels.hold(kind, active=_state.active[index], flag=self._flags[index], token=self._token,
+                         solo_ns=solo_ns, shared=_state.topology.shared, blocks=_state.topology.blocks, move=data)
             done = torch.cuda.Event()
             done.record(stream)
         for t in cuda:
@@ -186,13 +194,7 @@ class EmulatedGroup(dist.ProcessGroup):
     # --- all-gather ------------------------------------------------------------------------------
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
-        n = self.size()
-
-        def move() -> None:
-            output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
-
-        return self._launch("all_gather", output.numel() * output.element_size(), [output, input], move,
-                            [output])
+        return self.all_gather_single_coalesced([output], [input], opts)
 
     _allgather_base = all_gather_single
 
@@ -216,22 +218,16 @@ class EmulatedGroup(dist.ProcessGroup):
                 o.view(n, -1).copy_(i.reshape(1, -1).expand(n, -1))
 
         full = sum(o.numel() * o.element_size() for o in outputs)
-        return self._launch("all_gather", full, list(outputs) + list(inputs), move, list(outputs))
+        (o, i), one = (outputs[0], inputs[0]), len(outputs) == 1
+        data = ("gather", i, o, i.numel(), n, 1.0) if one and _in_kernel(o, i) and o.dtype == i.dtype else None
+        return self._launch("all_gather", full, list(outputs) + list(inputs), move, list(outputs), data)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     # --- reduce-scatter --------------------------------------------------------------------------
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
-        n, scale = self.size(), _scale(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self.size(),
-                                       "reduce_scatter")
-
-        def move() -> None:
-            _scaled(torch.sum(input.reshape(n, -1), dim=0, out=output.view(-1)), scale) if output.dtype.is_floating_point \
-                else output.view(-1).copy_(input.reshape(n, -1)[0])
-
-        return self._launch("reduce_scatter", input.numel() * input.element_size(), [output, input], move,
-                            [output])
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -263,7 +259,9 @@ class EmulatedGroup(dist.ProcessGroup):
                     o.view(-1).copy_(i.reshape(n, -1)[0])
 
         full = sum(i.numel() * i.element_size() for i in inputs)
-        return self._launch("reduce_scatter", full, list(outputs) + list(inputs), move, list(outputs))
+        (o, i), one = (outputs[0], inputs[0]), len(outputs) == 1
+        data = ("reduce", i, o, o.numel(), n, scale) if one and _in_kernel(o, i) else None
+        return self._launch("reduce_scatter", full, list(outputs) + list(inputs), move, list(outputs), data)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -278,7 +276,9 @@ class EmulatedGroup(dist.ProcessGroup):
                     t.mul_(int(scale) if not t.dtype.is_floating_point else scale)
 
         full = sum(t.numel() * t.element_size() for t in tensors)
-        return self._launch("all_reduce", full, list(tensors), move, list(tensors))
+        data = ("scale", tensors[0], tensors[0], tensors[0].numel(), 1, scale) \
+            if len(tensors) == 1 and _in_kernel(tensors[0]) else None
+        return self._launch("all_reduce", full, list(tensors), move, list(tensors), data)
 
     allreduce_coalesced = allreduce
 
@@ -338,7 +338,7 @@ def _install_out_forms() -> None:
 
 
 def init_emulated_world(world: int | EmulatedTopology, *, hosts: int = 1, hardware: str | Hardware = "h200",
-                        calibration: str | None = None, blocks: int = 16, shared: float = 1.27) -> EmulatedTopology:
+                        calibration: str | None = None, blocks: int = 32, shared: float = 1.27) -> EmulatedTopology:
     """Make this process rank 0 of ``world`` ranks on ``hosts`` hosts, on the emulated backend.
 
     Call it where ``init_process_group`` would be called; every group made afterwards is emulated

@@ -1,24 +1,24 @@
-"""The GPU kernels an emulated collective runs: a clock stamp before its data moves, a hold after.
+"""The GPU kernel an emulated collective runs: its own thread blocks move the data and hold for its time.
 
-NOTE [emulated kernel]: on the communicator's stream a collective is three launches:
+NOTE [emulated kernel]: on the communicator's stream a collective is one launch of ``blocks`` programs,
+as an NCCL collective is one kernel of one thread block per channel:
 
-1. ``emulated_stamp`` (one program) adds one to the count of collectives running on this GPU (a device
-   counter shared by every communicator) and writes the GPU's clock (``%globaltimer``, ns) into the
-   communicator's start slot.
-2. The data moves through device memory as a rank's NCCL kernel would move it, with torch's own copy and
-   reduction kernels at full device bandwidth: an all-gather writes its whole output from its input (the
-   input repeated: rank 0's data in every rank's place); a reduce-scatter reads its whole input and writes
-   the sum (or mean) of its chunks. The collective's few thread blocks could not draw that bandwidth.
-3. The kind's kernel (``emulated_all_gather`` ...) with ``blocks`` programs: block 0 advances the
-   collective's progress with the clock from the stamp, at ``min(1, shared / k)`` of its solo rate while
-   ``k`` collectives run (NOTE [emulated time]), until the progress reaches its solo time; it takes one off
-   the count and writes the collective's token into the communicator's flag. The other blocks spin until
-   the flag holds the token, so the launch holds ``blocks`` thread blocks, as NCCL's kernels hold their
-   channels' SMs.
+1. Program 0 notes the GPU's clock (``%globaltimer``, ns) and adds one to the count of collectives
+   running on this GPU (a device counter shared by every communicator).
+2. Every program moves its share of the data through device memory, as a rank's NCCL kernel would
+   on its own SMs: an all-gather writes its whole output from its input (the input repeated: rank 0's
+   data in every rank's place); a reduce-scatter reads its whole input and writes the scaled sum of
+   its chunks; an all-reduce scales its buffer in place. The GPU's other SMs stay free for compute, and
+   collectives on two communicators move their data at the same time.
+3. Program 0 then advances the collective's progress with the clock from its start, at ``min(1,
+   shared / k)`` of its solo rate while ``k`` collectives run (NOTE [emulated time]), until the progress
+   reaches the solo time; it takes one off the count and writes the collective's token into the
+   communicator's flag. The other programs spin until the flag holds the token, so the launch holds
+   ``blocks`` thread blocks for the collective's whole time.
 
-The collective ends when both its data has moved and its time is up. Traces show the copies on the
-communicator's stream before the kind's kernel; ``measure.timeline_of_trace`` counts them as the
-collective's.
+The collective ends when its data has moved and its time is up, whichever is later. Forms whose
+data is a list of tensors move it with torch ops on the communicator's stream before the kernel
+(``move=None`` here); ``measure.timeline_of_trace`` counts such copies as the collective's.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["stamp", "hold", "RATE_ONE"]
+__all__ = ["hold", "RATE_ONE"]
 
 RATE_ONE = 1024  # progress rate of a collective running alone, in fixed point
-# Integer arguments compiled as values, not specialised (a token or a count of 1 is not a constant).
-_PLAIN_INTS = ["token", "solo_ns", "shared_q"]
+_WARPS, _BLOCK = 16, 16384  # per program: enough loads in flight for 16 programs to draw over 1 TB/s
+_GATHER, _REDUCE, _SCALE, _NONE = 0, 1, 2, 3
+# Integer arguments compiled as values, not specialised (a token or a count of 1 is not a constant); the
+# chunk size is, so that loads of a chunk divisible by 16 are vectorised.
+_PLAIN_INTS = ["n", "token", "solo_ns", "shared_q"]
 
 
 @triton.jit
@@ -40,17 +43,40 @@ def _clock_ns():
 
 
 @triton.jit
-def emulated_stamp(active, slot):
-    tl.atomic_add(active, 1)
-    tl.store(slot, _clock_ns())
+def _move(src, dst, m, n, scale, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's share of the data: ``m`` elements per rank's chunk, ``n`` chunks."""
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    if MODE == 0:  # all-gather: dst[i * m + j] = src[j]
+        for i in range(n):
+            for s in range(first, m, step):
+                o = s + lanes
+                tl.store(dst + i.to(tl.int64) * m + o, tl.load(src + o, mask=o < m), mask=o < m)
+    elif MODE == 1:  # reduce-scatter: dst[j] = scale * sum_i src[i * m + j]
+        for s in range(first, m, step):
+            o = s + lanes
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for i in range(n):
+                acc += tl.load(src + i.to(tl.int64) * m + o, mask=o < m).to(tl.float32)
+            tl.store(dst + o, (acc * scale).to(dst.dtype.element_ty), mask=o < m)
+    elif MODE == 2:  # all-reduce: dst[j] *= scale
+        for s in range(first, m, step):
+            o = s + lanes
+            v = tl.load(dst + o, mask=o < m)
+            tl.store(dst + o, (v.to(tl.float32) * scale).to(dst.dtype.element_ty), mask=o < m)
 
 
 @triton.jit
-def _hold(active, flag, slot, token, solo_ns, shared_q):
+def _hold(src, dst, m, n, scale, active, flag, token, solo_ns, shared_q, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    start = _clock_ns()
+    if tl.program_id(0) == 0:
+        tl.atomic_add(active, 1)
+    _move(src, dst, m, n, scale, MODE, BLOCK)
     if tl.program_id(0) == 0:
         target = solo_ns.to(tl.int64) * 1024
         progress = tl.full([], 0, tl.int64)
-        before = tl.load(slot, volatile=True)
+        before = start
         while progress < target:
             now = _clock_ns()
             running = tl.atomic_add(active, 0)
@@ -65,41 +91,50 @@ def _hold(active, flag, slot, token, solo_ns, shared_q):
             seen = tl.load(flag, volatile=True)
 
 
+# One kernel per kind, so that a trace names the collective.
 @triton.jit(do_not_specialize=_PLAIN_INTS)
-def emulated_all_gather(active, flag, slot, token, solo_ns, shared_q):
-    _hold(active, flag, slot, token, solo_ns, shared_q)
-
-
-@triton.jit(do_not_specialize=_PLAIN_INTS)
-def emulated_reduce_scatter(active, flag, slot, token, solo_ns, shared_q):
-    _hold(active, flag, slot, token, solo_ns, shared_q)
+def emulated_all_gather(src, dst, m, n, scale, active, flag, token, solo_ns, shared_q, MODE: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    _hold(src, dst, m, n, scale, active, flag, token, solo_ns, shared_q, MODE, BLOCK)
 
 
 @triton.jit(do_not_specialize=_PLAIN_INTS)
-def emulated_all_reduce(active, flag, slot, token, solo_ns, shared_q):
-    _hold(active, flag, slot, token, solo_ns, shared_q)
+def emulated_reduce_scatter(src, dst, m, n, scale, active, flag, token, solo_ns, shared_q, MODE: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    _hold(src, dst, m, n, scale, active, flag, token, solo_ns, shared_q, MODE, BLOCK)
 
 
 @triton.jit(do_not_specialize=_PLAIN_INTS)
-def emulated_other(active, flag, slot, token, solo_ns, shared_q):
-    _hold(active, flag, slot, token, solo_ns, shared_q)
+def emulated_all_reduce(src, dst, m, n, scale, active, flag, token, solo_ns, shared_q, MODE: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    _hold(src, dst, m, n, scale, active, flag, token, solo_ns, shared_q, MODE, BLOCK)
+
+
+@triton.jit(do_not_specialize=_PLAIN_INTS)
+def emulated_other(src, dst, m, n, scale, active, flag, token, solo_ns, shared_q, MODE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    _hold(src, dst, m, n, scale, active, flag, token, solo_ns, shared_q, MODE, BLOCK)
 
 
 _KERNELS = {"all_gather": emulated_all_gather, "reduce_scatter": emulated_reduce_scatter,
             "all_reduce": emulated_all_reduce}
+_MODES = {"gather": _GATHER, "reduce": _REDUCE, "scale": _SCALE}
 
 
-def stamp(active: torch.Tensor, slot: torch.Tensor) -> None:
-    """Step 1 of NOTE [emulated kernel] on the current stream: count the collective in, note its start."""
-    emulated_stamp[(1,)](active, slot, num_warps=1)
+def hold(kind: str, *, active: torch.Tensor, flag: torch.Tensor, token: int, solo_ns: int, shared: float,
+         blocks: int, move: tuple[str, torch.Tensor, torch.Tensor, int, int, float] | None = None) -> None:
+    """NOTE [emulated kernel] on the current stream: ``blocks`` programs move ``move``'s data and hold
+    until the collective's time is up, then write ``token`` into ``flag``.
 
-
-def hold(kind: str, *, active: torch.Tensor, flag: torch.Tensor, slot: torch.Tensor, token: int, solo_ns: int,
-         shared: float, blocks: int) -> None:
-    """Step 3 of NOTE [emulated kernel] on the current stream: hold ``blocks`` thread blocks until the
-    collective's time since ``slot``'s stamp is up, then write ``token`` into ``flag``.
-
-    ``active`` is the GPU's int64 counter of running collectives, ``flag`` and ``slot`` the communicator's.
+    ``move`` is ``(mode, src, dst, m, n, scale)`` with mode ``"gather"``, ``"reduce"`` or ``"scale"``
+    over contiguous tensors, or ``None`` for no data. ``active`` is the GPU's int64 counter of running
+    collectives, ``flag`` the communicator's.
     """
     kernel = _KERNELS.get(kind, emulated_other)
-    kernel[(blocks,)](active, flag, slot, token, int(solo_ns), int(round(shared * RATE_ONE)), num_warps=1)
+    if move is None:
+        mode, src, dst, m, n, scale = _NONE, flag, flag, 0, 0, 1.0
+    else:
+        name, src, dst, m, n, scale = move
+        mode = _MODES[name]
+    kernel[(blocks,)](src, dst, m, n, float(scale), active, flag, token, int(solo_ns),
+                      int(round(shared * RATE_ONE)), MODE=mode, BLOCK=_BLOCK, num_warps=_WARPS)

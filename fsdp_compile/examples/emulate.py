@@ -103,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = VARIAN
     p.add_argument("--hosts", type=int, default=1, help="hosts the world is spread over (world %% hosts == 0)")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE), help="the hardware model's preset")
     p.add_argument("--calibration", default=None, help="JSON of measured numbers overriding the preset")
-    p.add_argument("--blocks", type=int, default=16, help="thread blocks an emulated collective holds")
+    p.add_argument("--blocks", type=int, default=32,
+                   help="thread blocks an emulated collective holds (an NCCL kernel holds one per channel)")
     p.add_argument("--shared", type=float, default=1.27,
                    help="bandwidth concurrent collectives share, in solo collectives (NOTE [emulated time])")
     p.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))

@@ -49,6 +49,19 @@ def register_collective_work(tensor: torch.Tensor, work: dist.Work) -> None:
     torch._C._distributed_c10d._register_work(tensor, work)
 
 
+class PythonGroupDevices:
+    """For a process group written in Python: the device-type queries torch makes of a group's C++
+    backends (``distributed_c10d._get_pg_default_device`` reads ``_device_types``; Inductor's collective
+    estimate then asks ``_get_backend``), answered as a group without a C++ backend would."""
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cuda" if torch.cuda.is_available() else "cpu")]
+
+    def _get_backend(self, device: torch.device) -> Any:
+        raise RuntimeError(f"{type(self).__name__} has no C++ backend for {device}")
+
+
 def print_native_stacks_on_fatal_signal() -> None:
     """On SIGSEGV, SIGABRT and the like, print every thread's native stack to stderr (torch's handler,
     which then passes the signal on), where the handler is available; Ctrl-C stays Python's."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_compile._compat import register_collective_work, resolve_group
+from fsdp_compile._compat import PythonGroupDevices, register_collective_work, resolve_group
 from fsdp_compile.emulate.timing import EmulatedTopology
 from fsdp_compile.inspection.hardware import Hardware, load_hardware
 
@@ -125,7 +125,7 @@ def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
     return t if scale == 1.0 else t.mul_(scale)
 
 
-class EmulatedGroup(dist.ProcessGroup):
+class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
     """One communicator of the emulated world (NOTE [emulated backend])."""
 
     def __init__(self, rank: int, size: int, ranks: Sequence[int]) -> None:

@@ -228,3 +228,18 @@ def test_two_communicators_share_the_links_and_one_runs_one_at_a_time() -> None:
         assert _elapsed_ms(lambda: both(g_ag)) == pytest.approx(2 * solo, rel=0.05)
     finally:
         dist.destroy_process_group()
+
+
+def test_variants_run_one_per_command_add_up_to_one_summary(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from fsdp_compile.examples.emulate import _write_summary
+
+    path, args = tmp_path / "summary-w8.json", {"world": 8, "tokens": 8192, "variant": "fsdp-compile"}
+    _write_summary(path, args, [{"label": "fsdp-compile", "median_ms": 1.0}])
+    _write_summary(path, {**args, "variant": "fsdp2-compile"}, [{"label": "fsdp2-compile", "median_ms": 2.0}])
+    _write_summary(path, args, [{"label": "fsdp-compile", "median_ms": 3.0}])
+    assert {r["label"]: r["median_ms"] for r in json.loads(path.read_text())["runs"]} == \
+        {"fsdp2-compile": 2.0, "fsdp-compile": 3.0}
+    _write_summary(path, {**args, "tokens": 4096}, [{"label": "fsdp-compile", "median_ms": 4.0}])
+    assert [r["median_ms"] for r in json.loads(path.read_text())["runs"]] == [4.0]  # other settings: a new table

@@ -149,6 +149,20 @@ def run_variant(ns: argparse.Namespace, variant: str, build: Builder = build_ste
     return report
 
 
+def _write_summary(path: Path, args: dict[str, Any], reports: list[dict[str, Any]]) -> None:
+    """Write ``reports`` to ``path``, keeping the runs of other variants already there with the same settings
+    (variants run one per command add up to one summary; a run of the same variant replaces its row)."""
+    same = {k: v for k, v in args.items() if k not in ("variant", "variants", "json")}
+    runs: list[dict[str, Any]] = []
+    if path.exists():
+        old = json.loads(path.read_text())
+        if {k: v for k, v in old.get("args", {}).items() if k not in ("variant", "variants", "json")} == same:
+            labels = {r["label"] for r in reports}
+            runs = [r for r in old.get("runs", []) if r.get("label") not in labels]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": args, "note": VALUES_NOTE, "runs": runs + reports}, indent=1))
+
+
 def main(ns: argparse.Namespace, build: Builder = build_step, module: str = "fsdp_compile") -> int:
     """Run ``ns.variant`` here, or with ``--variant all`` each of ``ns.variants`` in a process of its own
     (``python -m <module> emulate ...``), and print their table."""
@@ -171,10 +185,7 @@ def main(ns: argparse.Namespace, build: Builder = build_step, module: str = "fsd
                 reports.append(json.loads(Path(f.name).read_text()))
     if getattr(ns, "json", None):
         Path(ns.json).write_text(json.dumps(reports[0]))
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"summary-w{ns.world}.json").write_text(json.dumps({"args": vars(ns), "note": VALUES_NOTE,
-                                                               "runs": reports}, indent=1))
+    _write_summary(Path(ns.out) / f"summary-w{ns.world}.json", vars(ns), reports)
     hw = load_hardware(ns.hardware, ns.calibration)
     print(EmulatedTopology(ns.world, hw, hosts=ns.hosts, blocks=ns.blocks, shared=ns.shared).describe())
     print(f"{ns.model}, {ns.layers or PRESETS[ns.model].n_layers} blocks, {ns.tokens} tokens per rank, {ns.dtype}; "

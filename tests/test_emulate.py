@@ -243,3 +243,13 @@ def test_variants_run_one_per_command_add_up_to_one_summary(tmp_path) -> None:  
         {"fsdp2-compile": 2.0, "fsdp-compile": 3.0}
     _write_summary(path, {**args, "tokens": 4096}, [{"label": "fsdp-compile", "median_ms": 4.0}])
     assert [r["median_ms"] for r in json.loads(path.read_text())["runs"]] == [4.0]  # other settings: a new table
+
+
+def test_an_emulated_group_answers_torchs_device_queries(world8: EmulatedTopology) -> None:
+    """Inductor's collective estimate (SimpleFSDP's overlap bucketing) asks a group for its default device,
+    then for a C++ backend; an emulated group has a device and no C++ backend, which torch handles."""
+    group = dist.new_group()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert dist.distributed_c10d._get_pg_default_device(group) == torch.device(device)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ backend"):
+        group._get_backend(torch.device(device))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,10 +25,11 @@ from fsdp_compile.examples.models import ModelConfig, _rope_tables
 VARIANTS = (*cli.VARIANTS, "simplefsdp")
 
 
-def build(variant: str, cfg: ModelConfig, tokens: int, device: torch.device, dtype: str) -> Callable[[], None]:
+def build(variant: str, cfg: ModelConfig, tokens: int, device: torch.device, dtype: str,
+          options: dict[str, Any] | None = None) -> Callable[[], None]:
     """``cli.build_step``'s variants, and SimpleFSDP: sharded on meta, shards filled with N(0, 0.02)."""
     if variant != "simplefsdp":
-        return cli.build_step(variant, cfg, tokens, device, dtype)
+        return cli.build_step(variant, cfg, tokens, device, dtype, options)
     from torch.distributed.device_mesh import init_device_mesh
 
     simple = _simple_fsdp_module()

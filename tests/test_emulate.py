@@ -253,3 +253,18 @@ def test_an_emulated_group_answers_torchs_device_queries(world8: EmulatedTopolog
     assert dist.distributed_c10d._get_pg_default_device(group) == torch.device(device)
     with pytest.raises(RuntimeError, match="no C\\+\\+ backend"):
         group._get_backend(torch.device(device))
+
+
+def test_backend_options_reach_each_variants_process() -> None:
+    import argparse
+
+    from fsdp_compile.examples.emulate import _argv, add_arguments, backend_options
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    ns = p.parse_args(["--world", "64", "--option", "bucket_alone_bytes=None", "--option", "prefetch=2"])
+    assert backend_options(ns.option) == {"bucket_alone_bytes": None, "prefetch": 2}
+    child = p.parse_args(_argv(ns, "fsdp-compile", "r.json")[1:])
+    assert backend_options(child.option) == {"bucket_alone_bytes": None, "prefetch": 2} and child.world == 64
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        backend_options(["prefetch"])

@@ -9,6 +9,7 @@ prints their table): fsdp-compile (eager reduce-scatter on two communicators), f
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import subprocess
 import sys
@@ -51,8 +52,9 @@ def meta_model(cfg: ModelConfig, tokens: int, dtype: str) -> Transformer:
 
 
 def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device,
-               dtype: str = "mixed") -> Callable[[], None]:
-    """One training step of ``variant`` on this rank's shards (built on meta, ``to_empty``, initialised)."""
+               dtype: str = "mixed", options: dict[str, Any] | None = None) -> Callable[[], None]:
+    """One training step of ``variant`` on this rank's shards (built on meta, ``to_empty``, initialised);
+    ``options`` go to ``make_backend`` for our variants (e.g. ``{"bucket_alone_bytes": None}``)."""
     from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
 
     model = meta_model(cfg, tokens, dtype)
@@ -64,7 +66,8 @@ def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device
         for block in model.layers:
             fully_shard(block, groups=groups, mp_policy=mp)
         fully_shard(model, groups=groups, mp_policy=mp)
-        forward: Any = torch.compile(model, backend=make_backend(schedule="delayed" if delayed else "eager"))
+        backend = make_backend(**{"schedule": "delayed" if delayed else "eager", **(options or {})})
+        forward: Any = torch.compile(model, backend=backend)
     elif variant == "fsdp2-compile":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy as Fsdp2Mp
@@ -114,6 +117,8 @@ def add_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = VARIAN
                    help="'mixed': bf16 compute over fp32 shards, fp32 reduction; 'bf16': everything bf16")
     p.add_argument("--variant", default="fsdp-compile", choices=[*variants, "all"],
                    help="one variant in this process, or 'all': each in a process of its own")
+    p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
+                   help="a make_backend option for our variants, VALUE a Python literal (e.g. bucket_alone_bytes=None)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="out/emulate", help="directory for summary.json and each variant's trace")
@@ -128,10 +133,27 @@ def _argv(ns: argparse.Namespace, variant: str, json_path: str) -> list[str]:
     for name in flags:
         if getattr(ns, name) is not None:
             argv += [f"--{name}", str(getattr(ns, name))]
+    for pair in ns.option or []:
+        argv += ["--option", pair]
     return argv
 
 
-Builder = Callable[[str, ModelConfig, int, torch.device, str], Callable[[], None]]
+Builder = Callable[..., Callable[[], None]]
+
+
+def backend_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``["name=value", ...]`` (``--option``) as make_backend keyword arguments, values Python literals."""
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        try:
+            options[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"emulate: --option {pair!r}: expected NAME=VALUE with a Python literal value, "
+                             "e.g. --option bucket_alone_bytes=None or --option prefetch=2") from None
+        if not sep or not name.strip():
+            raise SystemExit(f"emulate: --option {pair!r}: expected NAME=VALUE, e.g. --option prefetch=2")
+    return options
 
 
 def run_variant(ns: argparse.Namespace, variant: str, build: Builder = build_step) -> StepReport:
@@ -140,7 +162,7 @@ def run_variant(ns: argparse.Namespace, variant: str, build: Builder = build_ste
     init_emulated_world(EmulatedTopology(ns.world, hw, hosts=ns.hosts, blocks=ns.blocks, shared=ns.shared))
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = PRESETS[ns.model].with_(**({"n_layers": ns.layers} if ns.layers else {}))
-    step = build(variant, cfg, ns.tokens, device, ns.dtype)
+    step = build(variant, cfg, ns.tokens, device, ns.dtype, backend_options(ns.option))
     out = Path(ns.out)
     report = measure_steps(step, label=variant, steps=ns.steps, warmup=ns.warmup,
                            flops_per_step=train_flops(cfg, ns.tokens), peak_flops=hw.peak_flops_bf16,

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 def _explain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", choices=sorted(PRESETS), help="a built-in model preset")
     p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--hosts", type=int, default=None,
+                   help="hosts the ranks sit on, the same number of GPUs on each (default: hosts of the preset's "
+                        "ranks_per_node GPUs, e.g. 8 hosts for 64 ranks)")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
     p.add_argument("--calibration", default=None, help="JSON of measured numbers overriding the preset")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
@@ -99,8 +102,9 @@ def _explain(ns: argparse.Namespace) -> int:
     if ns.prefetch_bytes == "auto":
         raise SystemExit("--prefetch-bytes takes a number of bytes (or 'none'), not 'auto'")
     result = explain(
-        ns.model, world_size=ns.world_size, hardware=ns.hardware, calibration=ns.calibration, batch=ns.batch,
-        seq=ns.seq, dtype=torch.bfloat16 if ns.dtype == "bf16" else torch.float32, dedicated=ns.dedicated,
+        ns.model, world_size=ns.world_size, hosts=ns.hosts, hardware=ns.hardware, calibration=ns.calibration,
+        batch=ns.batch, seq=ns.seq, dtype=torch.bfloat16 if ns.dtype == "bf16" else torch.float32,
+        dedicated=ns.dedicated,
         optimizer=None if ns.optimizer == "none" else ns.optimizer, schedule=ns.schedule, prefetch=ns.prefetch,
         prefetch_bytes=ns.prefetch_bytes, reduce_scatter_bytes=ns.reduce_scatter_bytes,
         trace_layers=ns.trace_layers or None, out_dir=ns.out if ns.out is not None else _fresh_dir(Path(_OUT)),
@@ -123,8 +127,8 @@ def _fresh_dir(path: Path) -> Path:
 def summary_text(s: dict[str, Any], ns: argparse.Namespace) -> str:
     """The lines ``explain`` prints: the estimated step, what it is made of, peaks in flight."""
     lines = [
-        f"{ns.model} at {ns.world_size} ranks on {s['hardware']} ({ns.dedicated} dedicated, {ns.schedule} schedule, "
-        f"prefetch {ns.prefetch}):",
+        f"{ns.model} at {ns.world_size} ranks on {s['hosts']} host(s) of {s['hardware']}, {ns.dtype} ({ns.dedicated} "
+        f"dedicated, {ns.schedule} schedule, prefetch {ns.prefetch}):",
         f"  estimated step     {s['step_ms']:.2f} ms = compute {s['compute_ms']:.2f} ms "
         + (f"(the {s['optimizer']} optimizer step's {s['optimizer_ms']:.2f} ms included) " if s["optimizer"] else
            "(no optimizer step) ")

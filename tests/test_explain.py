@@ -18,6 +18,7 @@ from fsdp_compile.__main__ import main as cli
 from fsdp_compile.examples.explain import Explanation, explain
 from fsdp_compile.inspection.logs import logs_on_rank, schedule_logged
 from fsdp_compile.examples.models import PRESETS, ModelConfig
+from fsdp_compile.inspection.cost import HARDWARE, collective_seconds
 
 from .graph_utils import ThreeUnits
 
@@ -92,6 +93,20 @@ def test_deeper_prefetch_holds_more_bytes() -> None:
     assert peaks[0] < peaks[1] < peaks[2]
 
 
+def test_a_world_of_64_ranks_spans_8_hosts() -> None:
+    """By default 64 ranks sit on 8 hosts of the preset's 8 GPUs: every collective crosses hosts, at the
+    inter-host bandwidth; the same world on one host moves at the intra-host one."""
+    spread, one_host = tiny(64), tiny(64, hosts=1)
+    assert spread.summary["hosts"] == 8 and one_host.summary["hosts"] == 1
+    h200 = HARDWARE["h200"]
+    for result, hosts, busbw in ((spread, 8, h200.inter_node_busbw), (one_host, 1, h200.intra_node_busbw)):
+        gathers = [s for s in result.timelines["forward"].spans if s.op == "all_gather"]  # one at a time
+        assert gathers and all(s.end - s.start == pytest.approx(collective_seconds("all_gather", s.bytes, 64, h200,
+                                                                                   hosts=hosts)) for s in gathers)
+        assert collective_seconds("all_gather", 1 << 30, 64, h200, hosts=hosts) == pytest.approx(
+            h200.collective_latency + 62 * h200.hop_latency + 63 / 64 * (1 << 30) / busbw)
+
+
 def test_extrapolation_matches_a_full_trace_and_tables_say_so() -> None:
     """(NOTE [periodic blocks]) 2 and 3 traced blocks, extended to 5, predict what tracing 5 gives; the
     tables and the picture's title say that they show the traced blocks."""
@@ -141,6 +156,8 @@ def test_cli_takes_the_backend_options(tmp_path: Path, capsys: pytest.CaptureFix
                 "--reduce-scatter-bytes", "none", "--optimizer", "sgd", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "prefetch auto" in out and "the sgd optimizer step's" in out and "exposed comm" in out
+    assert cli(["explain", "--model", "tiny", "--world-size", "4", "--hosts", "2", "--out", str(tmp_path)]) == 0
+    assert "tiny at 4 ranks on 2 host(s) of h200, bf16" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli(["explain", "--prefetch", "deep"])
     assert "give a number of units" in capsys.readouterr().err

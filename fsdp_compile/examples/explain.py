@@ -37,6 +37,7 @@ from fsdp_compile.inspection.fused_attention import FusedAttention
 from fsdp_compile.inspection.hardware import Hardware, load_hardware
 from fsdp_compile.inspection.schedule import group_labels
 from fsdp_compile.inspection.timeline import Span, Timeline, chrome_trace, simulate, table, write_png
+from fsdp_compile.inspection.topology import Topology
 
 __all__ = ["Explanation", "explain"]
 
@@ -149,10 +150,10 @@ def _summarize(timelines: Mapping[str, Timeline], hw: Hardware) -> dict[str, Any
     }
 
 
-def _timelines(traced: _Traced, hw: Hardware, optimizer: str | None) -> dict[str, Timeline]:
-    timelines = {kind: simulate(gm, hw, traced.labels) for kind, gm in traced.graphs.items()}
+def _timelines(traced: _Traced, topology: Topology, optimizer: str | None) -> dict[str, Timeline]:
+    timelines = {kind: simulate(gm, topology, traced.labels) for kind, gm in traced.graphs.items()}
     if optimizer is not None and "backward" in traced.graphs:
-        seconds = optimizer_seconds(traced.shards, hw, optimizer)
+        seconds = optimizer_seconds(traced.shards, topology.hardware, optimizer)
         timelines["optimizer"] = _optimizer_timeline(seconds, optimizer, sum(n for n, _ in traced.shards))
     return timelines
 
@@ -161,6 +162,7 @@ def explain(
     model: str | ModelConfig | nn.Module = "demo",
     *,
     world_size: int = 8,
+    hosts: int | None = None,
     hardware: str | Hardware = "h200",
     calibration: str | Path | Mapping[str, Any] | None = None,
     batch: int = 1,
@@ -184,6 +186,9 @@ def explain(
     sharded before the root, by default ``model.layers``). Presets are built on the meta device in
     ``dtype`` with ``batch`` sequences of ``seq`` tokens per rank and a next-token cross-entropy loss.
     ``hardware``: a preset of ``cost.HARDWARE``; ``calibration``: measured numbers overriding it.
+    ``hosts``: the hosts the ``world_size`` ranks sit on, the same number of GPUs on each (default:
+    hosts of the preset's ``ranks_per_node`` GPUs, ``Topology.of``); a group that spans hosts runs at
+    the inter-host bandwidth (NOTE [collective time]).
     ``optimizer``: the step after backward, costed over this rank's shards (``"adamw"``, ``"adam"``,
     ``"sgd"``: torch.optim's default foreach implementations; ``None``: forward and backward only).
     ``fused_attention``: trace SDPA as the GPU's fused kernel (default: unless ``hardware`` is the CPU).
@@ -192,6 +197,7 @@ def explain(
     With ``out_dir``, writes ``<graph>.txt``, ``trace.json``, ``timeline.png`` and ``summary.json`` there.
     """
     hw = load_hardware(hardware, calibration)
+    topology = Topology.of(world_size, hw, hosts)
     if optimizer is not None and optimizer not in OPTIMIZER_PASSES:
         raise ValueError(f"explain: unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_PASSES)} or None")
     if isinstance(hardware, str):  # "auto" settings use the same cost model
@@ -226,14 +232,14 @@ def explain(
     else:
         raise TypeError(f"explain: model must be a preset name, a ModelConfig or an nn.Module, not {type(model).__name__}")
 
-    timelines = _timelines(traced, hw, optimizer)
+    timelines = _timelines(traced, topology, optimizer)
     summary = _summarize(timelines, hw)
-    summary.update(world_size=world_size, traced_layers=traced_layers, optimizer=optimizer,
+    summary.update(world_size=world_size, hosts=topology.hosts, traced_layers=traced_layers, optimizer=optimizer,
                    attention="fused" if fused else "as traced")
     note = ""
     if extrapolate is not None:
         k, n = extrapolate
-        base = _summarize(_timelines(build(k - 1), hw, optimizer), hw)
+        base = _summarize(_timelines(build(k - 1), topology, optimizer), hw)
         for key in ("step_ms", "compute_ms", "optimizer_ms", "exposed_comm_ms"):
             summary[key] = summary[key] + (n - k) * (summary[key] - base[key])
         summary["exposed_comm_pct"] = 100.0 * summary["exposed_comm_ms"] / summary["step_ms"] if summary["step_ms"] else 0.0

@@ -107,6 +107,20 @@ def test_a_world_of_64_ranks_spans_8_hosts() -> None:
             h200.collective_latency + 62 * h200.hop_latency + 63 / 64 * (1 << 30) / busbw)
 
 
+def test_explain_schedules_as_the_backend_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reduce_scatter_bytes="auto"`` keeps one unit in flight, as ``make_backend()`` does on a GPU: the
+    cost model picks settings only for ``prefetch="auto"`` (then the cap too, as the backend would)."""
+    from fsdp_compile.inspection import autotune
+
+    asked = []
+    choose = autotune.choose
+    monkeypatch.setattr(autotune, "choose", lambda *a, **kw: asked.append(kw) or choose(*a, **kw))
+    explain("tiny", world_size=4)
+    assert not asked
+    explain("tiny", world_size=4, prefetch="auto")
+    assert asked and asked[0]["reduce_scatter_bytes"] == "auto"
+
+
 def test_extrapolation_matches_a_full_trace_and_tables_say_so() -> None:
     """(NOTE [periodic blocks]) 2 and 3 traced blocks, extended to 5, predict what tracing 5 gives; the
     tables and the picture's title say that they show the traced blocks."""

@@ -193,14 +193,17 @@ def explain(
     ``"sgd"``: torch.optim's default foreach implementations; ``None``: forward and backward only).
     ``fused_attention``: trace SDPA as the GPU's fused kernel (default: unless ``hardware`` is the CPU).
     ``trace_layers``: see NOTE [periodic blocks] (``None`` traces every block). Other keyword arguments
-    go to ``make_backend`` (``schedule``, ``prefetch``, ``prefetch_bytes``, ``reduce_scatter_bytes``).
+    go to ``make_backend`` (``schedule``, ``prefetch``, ``prefetch_bytes``, ``reduce_scatter_bytes``),
+    and the graphs are scheduled as that backend schedules them on a GPU: with ``prefetch="auto"`` it
+    picks its settings with this cost model (``hardware``, ``calibration``), else ``reduce_scatter_bytes
+    ="auto"`` keeps one unit's reduce-scatters in flight.
     With ``out_dir``, writes ``<graph>.txt``, ``trace.json``, ``timeline.png`` and ``summary.json`` there.
     """
     hw = load_hardware(hardware, calibration)
     topology = Topology.of(world_size, hw, hosts)
     if optimizer is not None and optimizer not in OPTIMIZER_PASSES:
         raise ValueError(f"explain: unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_PASSES)} or None")
-    if isinstance(hardware, str):  # "auto" settings use the same cost model
+    if isinstance(hardware, str) and backend_kw.get("prefetch") == "auto":  # the backend's choices: this cost model
         backend_kw = {"hardware": hardware, "calibration": calibration if isinstance(calibration, (str, Path)) else None,
                       **backend_kw}
     fused = hw.name != "cpu" if fused_attention is None else fused_attention

@@ -62,8 +62,9 @@ def _explain_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on bytes gathered but not yet used, e.g. 512M (default: none)")
     p.add_argument("--reduce-scatter-bytes", type=_bytes_arg, default="auto",
                    help="cap on reduce-scatter input bytes in flight, e.g. 1G; 'auto' (default) or 'none'")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"],
-                   help="the optimizer step added to the estimate (torch.optim's default implementation)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "adamw-fused", "none"],
+                   help="the optimizer step added to the estimate (torch.optim's default implementation; "
+                        "adamw-fused: AdamW(fused=True), as emulate runs on a GPU)")
     p.add_argument("--trace-layers", type=int, default=4,
                    help="blocks traced (totals extended to the full depth); 0 traces all")
     p.add_argument("--out", default=None,

@@ -263,6 +263,7 @@ def test_optimizer_step_is_memory_bound() -> None:
     expected = 21 * 1_500_000 * 2 / (H200.memory_bandwidth * H200.foreach_fraction)
     assert optimizer_seconds(shards, H200, "adamw") == pytest.approx(expected)
     assert optimizer_seconds(shards, H200, "sgd") < optimizer_seconds(shards, H200, "adam") < expected
+    assert optimizer_seconds(shards, H200, "adamw-fused") == pytest.approx(expected * 7 / 21)  # one read, one write each
     with pytest.raises(ValueError, match="adamw"):
         optimizer_seconds(shards, H200, "lion")
 

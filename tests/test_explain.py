@@ -170,8 +170,10 @@ def test_cli_takes_the_backend_options(tmp_path: Path, capsys: pytest.CaptureFix
                 "--reduce-scatter-bytes", "none", "--optimizer", "sgd", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "prefetch auto" in out and "the sgd optimizer step's" in out and "exposed comm" in out
-    assert cli(["explain", "--model", "tiny", "--world-size", "4", "--hosts", "2", "--out", str(tmp_path)]) == 0
-    assert "tiny at 4 ranks on 2 host(s) of h200, bf16" in capsys.readouterr().out
+    assert cli(["explain", "--model", "tiny", "--world-size", "4", "--hosts", "2", "--optimizer", "adamw-fused",
+                "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny at 4 ranks on 2 host(s) of h200, bf16" in out and "the adamw-fused optimizer step's" in out
     with pytest.raises(SystemExit):
         cli(["explain", "--prefetch", "deep"])
     assert "give a number of units" in capsys.readouterr().err

@@ -190,7 +190,8 @@ def explain(
     hosts of the preset's ``ranks_per_node`` GPUs, ``Topology.of``); a group that spans hosts runs at
     the inter-host bandwidth (NOTE [collective time]).
     ``optimizer``: the step after backward, costed over this rank's shards (``"adamw"``, ``"adam"``,
-    ``"sgd"``: torch.optim's default foreach implementations; ``None``: forward and backward only).
+    ``"sgd"``: torch.optim's default foreach implementations; ``"adamw-fused"``: ``AdamW(fused=True)``;
+    ``None``: forward and backward only).
     ``fused_attention``: trace SDPA as the GPU's fused kernel (default: unless ``hardware`` is the CPU).
     ``trace_layers``: see NOTE [periodic blocks] (``None`` traces every block). Other keyword arguments
     go to ``make_backend`` (``schedule``, ``prefetch``, ``prefetch_bytes``, ``reduce_scatter_bytes``),

@@ -317,14 +317,16 @@ def node_seconds(node: fx.Node, hw: Hardware) -> float:
 # step (reads + writes, counted in torch/optim/adam.py and torch/optim/sgd.py, default settings): AdamW multiplies
 # params by 1 - lr*wd (2), lerps exp_avg (3), scales and addcmuls exp_avg_sq (2 + 4), takes its sqrt,
 # divides, adds eps (2 + 2 + 2) and addcdivs the params (4). Adam has no decay pass. SGD with momentum:
-# buf = momentum * buf + grad (2 + 3), params -= lr * buf (3).
-OPTIMIZER_PASSES: dict[str, int] = {"adamw": 21, "adam": 19, "sgd": 8}
+# buf = momentum * buf + grad (2 + 3), params -= lr * buf (3). AdamW(fused=True) is one multi-tensor kernel
+# that reads params, grads, exp_avg and exp_avg_sq once and writes params, exp_avg and exp_avg_sq once (7).
+OPTIMIZER_PASSES: dict[str, int] = {"adamw": 21, "adam": 19, "sgd": 8, "adamw-fused": 7}
 
 
 def optimizer_seconds(shards: Iterable[torch.Tensor | tuple[int, int]], hw: Hardware, optimizer: str = "adamw") -> float:
     """One optimizer step over this rank's ``shards`` (tensors, or ``(numel, element_size)`` pairs),
-    its state in the params' dtype: memory-bound, ``OPTIMIZER_PASSES`` passes at ``foreach_fraction``
-    of the memory bandwidth."""
+    its state and gradients in the params' dtype: memory-bound, ``OPTIMIZER_PASSES`` passes at
+    ``foreach_fraction`` of the memory bandwidth (the fused kernel applies over tensor lists as the foreach
+    ones do)."""
     if optimizer not in OPTIMIZER_PASSES:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_PASSES)} or None")
     total = 0

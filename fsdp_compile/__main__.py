@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fsdp_compile.api.sharding import MixedPrecisionPolicy
 from fsdp_compile.examples import emulate as emulate_cli
 from fsdp_compile.examples import demo
 from fsdp_compile.inspection.cost import HARDWARE
@@ -53,7 +54,8 @@ def _explain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", default=None, help="JSON of measured numbers overriding the preset")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "mixed"],
+                   help="'mixed': bf16 compute and all-gathers over fp32 shards, fp32 reduce-scatters (as emulate's)")
     p.add_argument("--dedicated", default="reduce_scatter", choices=["reduce_scatter", "all_gather", "none"])
     p.add_argument("--schedule", default="eager", choices=["eager", "delayed"])
     p.add_argument("--prefetch", type=_prefetch_arg, default=1,
@@ -102,10 +104,11 @@ def _prefetch_arg(text: str) -> int | str:
 def _explain(ns: argparse.Namespace) -> int:
     if ns.prefetch_bytes == "auto":
         raise SystemExit("--prefetch-bytes takes a number of bytes (or 'none'), not 'auto'")
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     result = explain(
         ns.model, world_size=ns.world_size, hosts=ns.hosts, hardware=ns.hardware, calibration=ns.calibration,
         batch=ns.batch, seq=ns.seq, dtype=torch.bfloat16 if ns.dtype == "bf16" else torch.float32,
-        dedicated=ns.dedicated,
+        mp_policy=mixed if ns.dtype == "mixed" else None, dedicated=ns.dedicated,
         optimizer=None if ns.optimizer == "none" else ns.optimizer, schedule=ns.schedule, prefetch=ns.prefetch,
         prefetch_bytes=ns.prefetch_bytes, reduce_scatter_bytes=ns.reduce_scatter_bytes,
         trace_layers=ns.trace_layers or None, out_dir=ns.out if ns.out is not None else _fresh_dir(Path(_OUT)),

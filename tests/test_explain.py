@@ -14,11 +14,13 @@ import pytest
 import torch
 from expecttest import TestCase
 
+from fsdp_compile import MixedPrecisionPolicy
 from fsdp_compile.__main__ import main as cli
 from fsdp_compile.examples.explain import Explanation, explain
 from fsdp_compile.inspection.logs import logs_on_rank, schedule_logged
 from fsdp_compile.examples.models import PRESETS, ModelConfig
-from fsdp_compile.inspection.cost import HARDWARE, collective_seconds
+from fsdp_compile.inspection.cost import HARDWARE, collective_bytes, collective_seconds
+from fsdp_compile.passes.predicates import collective_kind, is_collective
 
 from .graph_utils import ThreeUnits
 
@@ -91,6 +93,22 @@ def test_more_bandwidth_exposes_less_communication() -> None:
 def test_deeper_prefetch_holds_more_bytes() -> None:
     peaks = [tiny(prefetch=d).summary["peak_bytes_in_flight"]["all_gather"] for d in (0, 1, 2)]
     assert peaks[0] < peaks[1] < peaks[2]
+
+
+def _collective_bytes(result: Explanation, kind: str) -> int:
+    return sum(collective_bytes(n) for gm in result.graphs.values() for n in gm.graph.nodes
+               if is_collective(n) and collective_kind(n) == kind)
+
+
+def test_mixed_precision_gathers_bf16_and_reduces_fp32() -> None:
+    """bf16 compute over fp32 shards, fp32 reduction (``--dtype mixed``, as emulate runs): the all-gathers
+    move what bf16 moves, the reduce-scatters twice that, and the optimizer steps fp32 shards."""
+    bf16 = tiny()
+    mixed = tiny(dtype=torch.float32, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                     reduce_dtype=torch.float32))
+    assert _collective_bytes(mixed, "all_gather") == _collective_bytes(bf16, "all_gather")
+    assert _collective_bytes(mixed, "reduce_scatter") == 2 * _collective_bytes(bf16, "reduce_scatter")
+    assert mixed.summary["optimizer_ms"] == pytest.approx(2 * bf16.summary["optimizer_ms"])
 
 
 def test_a_world_of_64_ranks_spans_8_hosts() -> None:
@@ -170,10 +188,10 @@ def test_cli_takes_the_backend_options(tmp_path: Path, capsys: pytest.CaptureFix
                 "--reduce-scatter-bytes", "none", "--optimizer", "sgd", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "prefetch auto" in out and "the sgd optimizer step's" in out and "exposed comm" in out
-    assert cli(["explain", "--model", "tiny", "--world-size", "4", "--hosts", "2", "--optimizer", "adamw-fused",
-                "--out", str(tmp_path)]) == 0
+    assert cli(["explain", "--model", "tiny", "--world-size", "4", "--hosts", "2", "--dtype", "mixed",
+                "--optimizer", "adamw-fused", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "tiny at 4 ranks on 2 host(s) of h200, bf16" in out and "the adamw-fused optimizer step's" in out
+    assert "tiny at 4 ranks on 2 host(s) of h200, mixed" in out and "the adamw-fused optimizer step's" in out
     with pytest.raises(SystemExit):
         cli(["explain", "--prefetch", "deep"])
     assert "give a number of units" in capsys.readouterr().err

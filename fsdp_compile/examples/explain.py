@@ -29,7 +29,7 @@ from torch import Tensor, fx, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile.api.groups import FsdpGroups
-from fsdp_compile.api.sharding import fully_shard
+from fsdp_compile.api.sharding import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.compiler.backend import make_backend, observe_graphs
 from fsdp_compile.examples.models import PRESETS, ModelConfig, Transformer, loss_fn
 from fsdp_compile.inspection.cost import OPTIMIZER_PASSES, optimizer_seconds
@@ -76,6 +76,7 @@ def _trace(
     backend_kw: Mapping[str, Any],
     blocks: Callable[[nn.Module], list[nn.Module]],
     fused_attention: bool,
+    mp_policy: MixedPrecisionPolicy | None,
 ) -> _Traced:
     owned = not dist.is_initialized()
     if owned:
@@ -88,8 +89,8 @@ def _trace(
     try:
         groups = FsdpGroups.create(dedicated=dedicated)
         for block in blocks(model):  # not outlined: the cost model estimates op by op, and FusedAttention
-            fully_shard(block, groups=groups, outline=False)  # must see every block's attention
-        fully_shard(model, groups=groups)
+            fully_shard(block, groups=groups, outline=False, mp_policy=mp_policy)  # must see every block's attention
+        fully_shard(model, groups=groups, mp_policy=mp_policy)
         shards = [(p.numel(), p.element_size()) for p in model.parameters() if p.requires_grad]
         backend = make_backend(inductor=False, check_agreement=False, **backend_kw)  # hardware: see explain()
         torch.compiler.reset()
@@ -168,6 +169,7 @@ def explain(
     batch: int = 1,
     seq: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    mp_policy: MixedPrecisionPolicy | None = None,
     example_input: Tensor | None = None,
     loss: Callable[[Any], Tensor] | None = None,
     blocks: Callable[[nn.Module], list[nn.Module]] = _default_blocks,
@@ -185,6 +187,9 @@ def explain(
     of the output, if ``output.float().sum()`` is not the loss; ``blocks(model)`` lists the modules
     sharded before the root, by default ``model.layers``). Presets are built on the meta device in
     ``dtype`` with ``batch`` sequences of ``seq`` tokens per rank and a next-token cross-entropy loss.
+    ``mp_policy``: ``fully_shard``'s mixed precision for every unit, e.g. bf16 compute over fp32 shards
+    with fp32 gradient reduction: ``dtype=torch.float32, mp_policy=MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (the CLI's ``--dtype mixed``).
     ``hardware``: a preset of ``cost.HARDWARE``; ``calibration``: measured numbers overriding it.
     ``hosts``: the hosts the ``world_size`` ranks sit on, the same number of GPUs on each (default:
     hosts of the preset's ``ranks_per_node`` GPUs, ``Topology.of``); a group that spans hosts runs at
@@ -226,13 +231,14 @@ def explain(
         def build(layers: int) -> _Traced:
             built, tokens, preset_loss = _preset(cfg.with_(n_layers=layers, max_seq_len=max(seq, cfg.max_seq_len)),
                                                  dtype, batch, seq)  # type: ignore[arg-type]
-            return _trace(built, tokens, loss or preset_loss, world_size, dedicated, backend_kw, blocks, fused)
+            return _trace(built, tokens, loss or preset_loss, world_size, dedicated, backend_kw, blocks, fused, mp_policy)
 
         traced = build(depth)
     elif isinstance(model, nn.Module):
         if example_input is None:
             raise TypeError("explain: pass example_input=... (a tensor the module takes) with a module")
-        traced = _trace(model, example_input, loss or _sum_loss, world_size, dedicated, backend_kw, blocks, fused)
+        traced = _trace(model, example_input, loss or _sum_loss, world_size, dedicated, backend_kw, blocks, fused,
+                        mp_policy)
     else:
         raise TypeError(f"explain: model must be a preset name, a ModelConfig or an nn.Module, not {type(model).__name__}")
 

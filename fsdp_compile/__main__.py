@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fsdp_compile.api.sharding import MixedPrecisionPolicy
 from fsdp_compile.examples import emulate as emulate_cli
 from fsdp_compile.examples import demo
 from fsdp_compile.inspection.cost import HARDWARE
@@ -46,11 +47,15 @@ def main(argv: list[str] | None = None) -> int:
 def _explain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", choices=sorted(PRESETS), help="a built-in model preset")
     p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--hosts", type=int, default=None,
+                   help="hosts the ranks sit on, the same number of GPUs on each (default: hosts of the preset's "
+                        "ranks_per_node GPUs, e.g. 8 hosts for 64 ranks)")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
     p.add_argument("--calibration", default=None, help="JSON of measured numbers overriding the preset")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "mixed"],
+                   help="'mixed': bf16 compute and all-gathers over fp32 shards, fp32 reduce-scatters (as emulate's)")
     p.add_argument("--dedicated", default="reduce_scatter", choices=["reduce_scatter", "all_gather", "none"])
     p.add_argument("--schedule", default="eager", choices=["eager", "delayed"])
     p.add_argument("--prefetch", type=_prefetch_arg, default=1,
@@ -59,8 +64,9 @@ def _explain_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on bytes gathered but not yet used, e.g. 512M (default: none)")
     p.add_argument("--reduce-scatter-bytes", type=_bytes_arg, default="auto",
                    help="cap on reduce-scatter input bytes in flight, e.g. 1G; 'auto' (default) or 'none'")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"],
-                   help="the optimizer step added to the estimate (torch.optim's default implementation)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "adamw-fused", "none"],
+                   help="the optimizer step added to the estimate (torch.optim's default implementation; "
+                        "adamw-fused: AdamW(fused=True), as emulate runs on a GPU)")
     p.add_argument("--trace-layers", type=int, default=4,
                    help="blocks traced (totals extended to the full depth); 0 traces all")
     p.add_argument("--out", default=None,
@@ -98,9 +104,11 @@ def _prefetch_arg(text: str) -> int | str:
 def _explain(ns: argparse.Namespace) -> int:
     if ns.prefetch_bytes == "auto":
         raise SystemExit("--prefetch-bytes takes a number of bytes (or 'none'), not 'auto'")
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     result = explain(
-        ns.model, world_size=ns.world_size, hardware=ns.hardware, calibration=ns.calibration, batch=ns.batch,
-        seq=ns.seq, dtype=torch.bfloat16 if ns.dtype == "bf16" else torch.float32, dedicated=ns.dedicated,
+        ns.model, world_size=ns.world_size, hosts=ns.hosts, hardware=ns.hardware, calibration=ns.calibration,
+        batch=ns.batch, seq=ns.seq, dtype=torch.bfloat16 if ns.dtype == "bf16" else torch.float32,
+        mp_policy=mixed if ns.dtype == "mixed" else None, dedicated=ns.dedicated,
         optimizer=None if ns.optimizer == "none" else ns.optimizer, schedule=ns.schedule, prefetch=ns.prefetch,
         prefetch_bytes=ns.prefetch_bytes, reduce_scatter_bytes=ns.reduce_scatter_bytes,
         trace_layers=ns.trace_layers or None, out_dir=ns.out if ns.out is not None else _fresh_dir(Path(_OUT)),
@@ -123,8 +131,8 @@ def _fresh_dir(path: Path) -> Path:
 def summary_text(s: dict[str, Any], ns: argparse.Namespace) -> str:
     """The lines ``explain`` prints: the estimated step, what it is made of, peaks in flight."""
     lines = [
-        f"{ns.model} at {ns.world_size} ranks on {s['hardware']} ({ns.dedicated} dedicated, {ns.schedule} schedule, "
-        f"prefetch {ns.prefetch}):",
+        f"{ns.model} at {ns.world_size} ranks on {s['hosts']} host(s) of {s['hardware']}, {ns.dtype} ({ns.dedicated} "
+        f"dedicated, {ns.schedule} schedule, prefetch {ns.prefetch}):",
         f"  estimated step     {s['step_ms']:.2f} ms = compute {s['compute_ms']:.2f} ms "
         + (f"(the {s['optimizer']} optimizer step's {s['optimizer_ms']:.2f} ms included) " if s["optimizer"] else
            "(no optimizer step) ")

@@ -21,6 +21,7 @@ from fsdp_compile.inspection.cost import (
     HARDWARE,
     Hardware,
     collective_seconds,
+    launch_seconds,
     load_hardware,
     matmul_efficiency,
     node_bytes,
@@ -32,6 +33,7 @@ from fsdp_compile.inspection.cost import (
 from fsdp_compile.inspection.fusion import graph_seconds
 from fsdp_compile.inspection.schedule import group_labels
 from fsdp_compile.inspection.timeline import Timeline, _beside_collectives, chrome_trace, simulate, table, write_png
+from fsdp_compile.inspection.topology import Links, Topology
 
 from fsdp_compile.passes.predicates import op_name
 
@@ -98,9 +100,41 @@ def test_collective_intra_vs_inter_node() -> None:
     assert per_byte[1] == pytest.approx(inter)
 
 
+def test_a_world_of_hosts_uses_the_inter_host_links() -> None:
+    """64 ranks: 8 hosts of 8 GPUs by default (``ranks_per_node``), every full-world group crossing hosts;
+    the same 64 on one host run at the intra-host bandwidth."""
+    full = 1 << 30
+    across = H200.collective_latency + 62 * H200.hop_latency + 63 / 64 * full / H200.inter_node_busbw
+    within = H200.collective_latency + 62 * H200.hop_latency + 63 / 64 * full / H200.intra_node_busbw
+    assert Topology.of(64, H200).hosts == 8
+    assert collective_seconds("all_gather", full, 64, H200) == pytest.approx(across)
+    assert collective_seconds("all_gather", full, 64, H200, hosts=8) == pytest.approx(across)
+    assert collective_seconds("all_gather", full, 64, H200, hosts=1) == pytest.approx(within)
+    assert Topology.of(12, H200).hosts == 2 and Topology.of(9, H200).hosts == 3  # hosts divide the world
+
+
+def test_collectives_on_two_communicators_share_the_links() -> None:
+    """Two collectives at once each advance at shared / 2 of their solo rate (NOTE [collective time]); on
+    one communicator they run one after the other at full rate; alone, one runs at its solo time."""
+    links = Links(shared=1.27)
+    links.issue("ag", "all_gather", 2.0, at=0.0)
+    links.issue("rs", "reduce_scatter", 4.0, at=0.0)
+    # together until the all-gather is done (2 / 0.635 s), then the reduce-scatter alone at full rate
+    assert links.interval("ag") == pytest.approx((0.0, 2 / 0.635))
+    assert links.interval("rs") == pytest.approx((0.0, 2 / 0.635 + 2.0))
+    links.issue("ag2", "all_gather", 1.0, at=10.0)  # after both ended: alone
+    assert links.interval("ag2") == pytest.approx((10.0, 11.0))
+    serial = Links(shared=1.27)
+    serial.issue("ag", "comm", 2.0, at=0.0)
+    serial.issue("rs", "comm", 4.0, at=1.0)
+    assert serial.interval("rs") == pytest.approx((2.0, 6.0))
+    with pytest.raises(ValueError, match="issue in time order"):
+        serial.issue("late", "comm", 1.0, at=0.5)
+
+
 def test_collective_unknown_kind() -> None:
     with pytest.raises(ValueError, match="all_gather"):
-        collective_seconds("broadcast", 1, 2, H200)
+        collective_seconds("gather", 1, 2, H200)
 
 
 # --- node_seconds -------------------------------------------------------------------------------
@@ -229,6 +263,7 @@ def test_optimizer_step_is_memory_bound() -> None:
     expected = 21 * 1_500_000 * 2 / (H200.memory_bandwidth * H200.foreach_fraction)
     assert optimizer_seconds(shards, H200, "adamw") == pytest.approx(expected)
     assert optimizer_seconds(shards, H200, "sgd") < optimizer_seconds(shards, H200, "adam") < expected
+    assert optimizer_seconds(shards, H200, "adamw-fused") == pytest.approx(expected * 7 / 21)  # one read, one write each
     with pytest.raises(ValueError, match="adamw"):
         optimizer_seconds(shards, H200, "lion")
 
@@ -304,7 +339,10 @@ def test_shared_comm_stream_serialises() -> None:
             n.meta["fsdp"]["stream"] = s
     assert set(shared.comm_seconds) == {"comm"} and not _overlaps(shared)
     assert shared.step_seconds > separate.step_seconds
-    assert shared.comm_seconds["comm"] == pytest.approx(sum(separate.comm_seconds.values()))
+    # one communicator: each collective at its solo time; two: those side by side share the links
+    topology = Topology.of(2, hw)
+    assert shared.comm_seconds["comm"] == pytest.approx(sum(launch_seconds(n, topology) for n in launches))
+    assert sum(separate.comm_seconds.values()) > shared.comm_seconds["comm"]
 
 
 def test_summary() -> None:

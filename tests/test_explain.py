@@ -14,10 +14,13 @@ import pytest
 import torch
 from expecttest import TestCase
 
+from fsdp_compile import MixedPrecisionPolicy
 from fsdp_compile.__main__ import main as cli
 from fsdp_compile.examples.explain import Explanation, explain
 from fsdp_compile.inspection.logs import logs_on_rank, schedule_logged
 from fsdp_compile.examples.models import PRESETS, ModelConfig
+from fsdp_compile.inspection.cost import HARDWARE, collective_bytes, collective_seconds
+from fsdp_compile.passes.predicates import collective_kind, is_collective
 
 from .graph_utils import ThreeUnits
 
@@ -92,6 +95,50 @@ def test_deeper_prefetch_holds_more_bytes() -> None:
     assert peaks[0] < peaks[1] < peaks[2]
 
 
+def _collective_bytes(result: Explanation, kind: str) -> int:
+    return sum(collective_bytes(n) for gm in result.graphs.values() for n in gm.graph.nodes
+               if is_collective(n) and collective_kind(n) == kind)
+
+
+def test_mixed_precision_gathers_bf16_and_reduces_fp32() -> None:
+    """bf16 compute over fp32 shards, fp32 reduction (``--dtype mixed``, as emulate runs): the all-gathers
+    move what bf16 moves, the reduce-scatters twice that, and the optimizer steps fp32 shards."""
+    bf16 = tiny()
+    mixed = tiny(dtype=torch.float32, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                     reduce_dtype=torch.float32))
+    assert _collective_bytes(mixed, "all_gather") == _collective_bytes(bf16, "all_gather")
+    assert _collective_bytes(mixed, "reduce_scatter") == 2 * _collective_bytes(bf16, "reduce_scatter")
+    assert mixed.summary["optimizer_ms"] == pytest.approx(2 * bf16.summary["optimizer_ms"])
+
+
+def test_a_world_of_64_ranks_spans_8_hosts() -> None:
+    """By default 64 ranks sit on 8 hosts of the preset's 8 GPUs: every collective crosses hosts, at the
+    inter-host bandwidth; the same world on one host moves at the intra-host one."""
+    spread, one_host = tiny(64), tiny(64, hosts=1)
+    assert spread.summary["hosts"] == 8 and one_host.summary["hosts"] == 1
+    h200 = HARDWARE["h200"]
+    for result, hosts, busbw in ((spread, 8, h200.inter_node_busbw), (one_host, 1, h200.intra_node_busbw)):
+        gathers = [s for s in result.timelines["forward"].spans if s.op == "all_gather"]  # one at a time
+        assert gathers and all(s.end - s.start == pytest.approx(collective_seconds("all_gather", s.bytes, 64, h200,
+                                                                                   hosts=hosts)) for s in gathers)
+        assert collective_seconds("all_gather", 1 << 30, 64, h200, hosts=hosts) == pytest.approx(
+            h200.collective_latency + 62 * h200.hop_latency + 63 / 64 * (1 << 30) / busbw)
+
+
+def test_explain_schedules_as_the_backend_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reduce_scatter_bytes="auto"`` keeps one unit in flight, as ``make_backend()`` does on a GPU: the
+    cost model picks settings only for ``prefetch="auto"`` (then the cap too, as the backend would)."""
+    from fsdp_compile.inspection import autotune
+
+    asked = []
+    choose = autotune.choose
+    monkeypatch.setattr(autotune, "choose", lambda *a, **kw: asked.append(kw) or choose(*a, **kw))
+    explain("tiny", world_size=4)
+    assert not asked
+    explain("tiny", world_size=4, prefetch="auto")
+    assert asked and asked[0]["reduce_scatter_bytes"] == "auto"
+
+
 def test_extrapolation_matches_a_full_trace_and_tables_say_so() -> None:
     """(NOTE [periodic blocks]) 2 and 3 traced blocks, extended to 5, predict what tracing 5 gives; the
     tables and the picture's title say that they show the traced blocks."""
@@ -124,7 +171,7 @@ class PinnedTest(TestCase):
         per = {k: round(v["step_seconds"] * 1e3, 2) for k, v in s["per_graph"].items()}
         self.assertExpectedInline(
             f"step {s['step_ms']:.2f} ms, exposed comm {s['exposed_comm_ms']:.2f} ms, per graph {per}",
-            "step 17.98 ms, exposed comm 1.18 ms, per graph {'forward': 4.33, 'backward': 8.95, 'optimizer': 4.69}")
+            "step 17.99 ms, exposed comm 1.18 ms, per graph {'forward': 4.33, 'backward': 8.97, 'optimizer': 4.69}")
 
 
 def test_trailing_unpack_rows_are_one_line() -> None:
@@ -141,6 +188,10 @@ def test_cli_takes_the_backend_options(tmp_path: Path, capsys: pytest.CaptureFix
                 "--reduce-scatter-bytes", "none", "--optimizer", "sgd", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "prefetch auto" in out and "the sgd optimizer step's" in out and "exposed comm" in out
+    assert cli(["explain", "--model", "tiny", "--world-size", "4", "--hosts", "2", "--dtype", "mixed",
+                "--optimizer", "adamw-fused", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tiny at 4 ranks on 2 host(s) of h200, mixed" in out and "the adamw-fused optimizer step's" in out
     with pytest.raises(SystemExit):
         cli(["explain", "--prefetch", "deep"])
     assert "give a number of units" in capsys.readouterr().err

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from fsdp_compile._compat import PythonGroupDevices, register_collective_work, resolve_group
 from fsdp_compile.emulate.timing import EmulatedTopology
 from fsdp_compile.inspection.hardware import Hardware, load_hardware
+from fsdp_compile.inspection.topology import SHARED_LINKS
 
 __all__ = ["BACKEND", "EmulatedGroup", "Ledger", "init_emulated_world", "emulated_topology", "ledger"]
 
@@ -338,7 +339,7 @@ def _install_out_forms() -> None:
 
 
 def init_emulated_world(world: int | EmulatedTopology, *, hosts: int = 1, hardware: str | Hardware = "h200",
-                        calibration: str | None = None, blocks: int = 32, shared: float = 1.27) -> EmulatedTopology:
+                        calibration: str | None = None, blocks: int = 32, shared: float = SHARED_LINKS) -> EmulatedTopology:
     """Make this process rank 0 of ``world`` ranks on ``hosts`` hosts, on the emulated backend.
 
     Call it where ``init_process_group`` would be called; every group made afterwards is emulated

@@ -26,6 +26,7 @@ from fsdp_compile.emulate.measure import StepReport, measure_steps
 from fsdp_compile.emulate.timing import EmulatedTopology
 from fsdp_compile.examples.models import PRESETS, ModelConfig, Transformer, loss_fn
 from fsdp_compile.inspection.hardware import HARDWARE, load_hardware
+from fsdp_compile.inspection.topology import SHARED_LINKS
 
 __all__ = ["VARIANTS", "add_arguments", "main", "build_step", "meta_model", "run_variant", "train_flops"]
 
@@ -108,8 +109,8 @@ def add_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = VARIAN
     p.add_argument("--calibration", default=None, help="JSON of measured numbers overriding the preset")
     p.add_argument("--blocks", type=int, default=32,
                    help="thread blocks an emulated collective holds (an NCCL kernel holds one per channel)")
-    p.add_argument("--shared", type=float, default=1.27,
-                   help="bandwidth concurrent collectives share, in solo collectives (NOTE [emulated time])")
+    p.add_argument("--shared", type=float, default=SHARED_LINKS,
+                   help="bandwidth concurrent collectives share, in solo collectives (NOTE [collective time])")
     p.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step (one sequence)")

@@ -29,7 +29,7 @@ from torch import Tensor, fx, nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_compile.api.groups import FsdpGroups
-from fsdp_compile.api.sharding import fully_shard
+from fsdp_compile.api.sharding import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.compiler.backend import make_backend, observe_graphs
 from fsdp_compile.examples.models import PRESETS, ModelConfig, Transformer, loss_fn
 from fsdp_compile.inspection.cost import OPTIMIZER_PASSES, optimizer_seconds
@@ -37,6 +37,7 @@ from fsdp_compile.inspection.fused_attention import FusedAttention
 from fsdp_compile.inspection.hardware import Hardware, load_hardware
 from fsdp_compile.inspection.schedule import group_labels
 from fsdp_compile.inspection.timeline import Span, Timeline, chrome_trace, simulate, table, write_png
+from fsdp_compile.inspection.topology import Topology
 
 __all__ = ["Explanation", "explain"]
 
@@ -75,6 +76,7 @@ def _trace(
     backend_kw: Mapping[str, Any],
     blocks: Callable[[nn.Module], list[nn.Module]],
     fused_attention: bool,
+    mp_policy: MixedPrecisionPolicy | None,
 ) -> _Traced:
     owned = not dist.is_initialized()
     if owned:
@@ -87,8 +89,8 @@ def _trace(
     try:
         groups = FsdpGroups.create(dedicated=dedicated)
         for block in blocks(model):  # not outlined: the cost model estimates op by op, and FusedAttention
-            fully_shard(block, groups=groups, outline=False)  # must see every block's attention
-        fully_shard(model, groups=groups)
+            fully_shard(block, groups=groups, outline=False, mp_policy=mp_policy)  # must see every block's attention
+        fully_shard(model, groups=groups, mp_policy=mp_policy)
         shards = [(p.numel(), p.element_size()) for p in model.parameters() if p.requires_grad]
         backend = make_backend(inductor=False, check_agreement=False, **backend_kw)  # hardware: see explain()
         torch.compiler.reset()
@@ -149,10 +151,10 @@ def _summarize(timelines: Mapping[str, Timeline], hw: Hardware) -> dict[str, Any
     }
 
 
-def _timelines(traced: _Traced, hw: Hardware, optimizer: str | None) -> dict[str, Timeline]:
-    timelines = {kind: simulate(gm, hw, traced.labels) for kind, gm in traced.graphs.items()}
+def _timelines(traced: _Traced, topology: Topology, optimizer: str | None) -> dict[str, Timeline]:
+    timelines = {kind: simulate(gm, topology, traced.labels) for kind, gm in traced.graphs.items()}
     if optimizer is not None and "backward" in traced.graphs:
-        seconds = optimizer_seconds(traced.shards, hw, optimizer)
+        seconds = optimizer_seconds(traced.shards, topology.hardware, optimizer)
         timelines["optimizer"] = _optimizer_timeline(seconds, optimizer, sum(n for n, _ in traced.shards))
     return timelines
 
@@ -161,11 +163,13 @@ def explain(
     model: str | ModelConfig | nn.Module = "demo",
     *,
     world_size: int = 8,
+    hosts: int | None = None,
     hardware: str | Hardware = "h200",
     calibration: str | Path | Mapping[str, Any] | None = None,
     batch: int = 1,
     seq: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    mp_policy: MixedPrecisionPolicy | None = None,
     example_input: Tensor | None = None,
     loss: Callable[[Any], Tensor] | None = None,
     blocks: Callable[[nn.Module], list[nn.Module]] = _default_blocks,
@@ -183,18 +187,29 @@ def explain(
     of the output, if ``output.float().sum()`` is not the loss; ``blocks(model)`` lists the modules
     sharded before the root, by default ``model.layers``). Presets are built on the meta device in
     ``dtype`` with ``batch`` sequences of ``seq`` tokens per rank and a next-token cross-entropy loss.
+    ``mp_policy``: ``fully_shard``'s mixed precision for every unit, e.g. bf16 compute over fp32 shards
+    with fp32 gradient reduction: ``dtype=torch.float32, mp_policy=MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (the CLI's ``--dtype mixed``).
     ``hardware``: a preset of ``cost.HARDWARE``; ``calibration``: measured numbers overriding it.
+    ``hosts``: the hosts the ``world_size`` ranks sit on, the same number of GPUs on each (default:
+    hosts of the preset's ``ranks_per_node`` GPUs, ``Topology.of``); a group that spans hosts runs at
+    the inter-host bandwidth (NOTE [collective time]).
     ``optimizer``: the step after backward, costed over this rank's shards (``"adamw"``, ``"adam"``,
-    ``"sgd"``: torch.optim's default foreach implementations; ``None``: forward and backward only).
+    ``"sgd"``: torch.optim's default foreach implementations; ``"adamw-fused"``: ``AdamW(fused=True)``;
+    ``None``: forward and backward only).
     ``fused_attention``: trace SDPA as the GPU's fused kernel (default: unless ``hardware`` is the CPU).
     ``trace_layers``: see NOTE [periodic blocks] (``None`` traces every block). Other keyword arguments
-    go to ``make_backend`` (``schedule``, ``prefetch``, ``prefetch_bytes``, ``reduce_scatter_bytes``).
+    go to ``make_backend`` (``schedule``, ``prefetch``, ``prefetch_bytes``, ``reduce_scatter_bytes``),
+    and the graphs are scheduled as that backend schedules them on a GPU: with ``prefetch="auto"`` it
+    picks its settings with this cost model (``hardware``, ``calibration``), else ``reduce_scatter_bytes
+    ="auto"`` keeps one unit's reduce-scatters in flight.
     With ``out_dir``, writes ``<graph>.txt``, ``trace.json``, ``timeline.png`` and ``summary.json`` there.
     """
     hw = load_hardware(hardware, calibration)
+    topology = Topology.of(world_size, hw, hosts)
     if optimizer is not None and optimizer not in OPTIMIZER_PASSES:
         raise ValueError(f"explain: unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_PASSES)} or None")
-    if isinstance(hardware, str):  # "auto" settings use the same cost model
+    if isinstance(hardware, str) and backend_kw.get("prefetch") == "auto":  # the backend's choices: this cost model
         backend_kw = {"hardware": hardware, "calibration": calibration if isinstance(calibration, (str, Path)) else None,
                       **backend_kw}
     fused = hw.name != "cpu" if fused_attention is None else fused_attention
@@ -216,24 +231,25 @@ def explain(
         def build(layers: int) -> _Traced:
             built, tokens, preset_loss = _preset(cfg.with_(n_layers=layers, max_seq_len=max(seq, cfg.max_seq_len)),
                                                  dtype, batch, seq)  # type: ignore[arg-type]
-            return _trace(built, tokens, loss or preset_loss, world_size, dedicated, backend_kw, blocks, fused)
+            return _trace(built, tokens, loss or preset_loss, world_size, dedicated, backend_kw, blocks, fused, mp_policy)
 
         traced = build(depth)
     elif isinstance(model, nn.Module):
         if example_input is None:
             raise TypeError("explain: pass example_input=... (a tensor the module takes) with a module")
-        traced = _trace(model, example_input, loss or _sum_loss, world_size, dedicated, backend_kw, blocks, fused)
+        traced = _trace(model, example_input, loss or _sum_loss, world_size, dedicated, backend_kw, blocks, fused,
+                        mp_policy)
     else:
         raise TypeError(f"explain: model must be a preset name, a ModelConfig or an nn.Module, not {type(model).__name__}")
 
-    timelines = _timelines(traced, hw, optimizer)
+    timelines = _timelines(traced, topology, optimizer)
     summary = _summarize(timelines, hw)
-    summary.update(world_size=world_size, traced_layers=traced_layers, optimizer=optimizer,
+    summary.update(world_size=world_size, hosts=topology.hosts, traced_layers=traced_layers, optimizer=optimizer,
                    attention="fused" if fused else "as traced")
     note = ""
     if extrapolate is not None:
         k, n = extrapolate
-        base = _summarize(_timelines(build(k - 1), hw, optimizer), hw)
+        base = _summarize(_timelines(build(k - 1), topology, optimizer), hw)
         for key in ("step_ms", "compute_ms", "optimizer_ms", "exposed_comm_ms"):
             summary[key] = summary[key] + (n - k) * (summary[key] - base[key])
         summary["exposed_comm_pct"] = 100.0 * summary["exposed_comm_ms"] / summary["step_ms"] if summary["step_ms"] else 0.0

@@ -4,7 +4,7 @@
 
     hw = load_hardware("h200", "benchmarks/calibration/h200x2.json")
     node_seconds(mm_node, hw)                              # max(FLOPs / rate(shape), bytes / bandwidth)
-    collective_seconds("all_gather", 64 << 20, 8, hw)      # latency + (w-1)/w * bytes / busbw
+    collective_seconds("all_gather", 64 << 20, 8, hw)      # latency + (w-1)/w * bytes / busbw (topology.py)
     optimizer_seconds([(numel, 2)], hw, "adamw")           # the foreach kernels' passes over the state
 
 How the model reads a GPU, and what it leaves out:
@@ -44,6 +44,7 @@ from fsdp_compile.passes.predicates import (
 
 from fsdp_compile._compat import resolve_group
 from fsdp_compile.inspection.hardware import HARDWARE, Hardware, detect_hardware, load_hardware, write_calibration
+from fsdp_compile.inspection.topology import Topology, ring_seconds
 
 __all__ = [
     "Hardware",
@@ -65,31 +66,23 @@ __all__ = [
     "optimizer_seconds",
     "collective_bytes",
     "collective_world",
+    "graph_world",
+    "launch_ranks",
 ]
 
 
 # --- collectives --------------------------------------------------------------------------------
 
-_KINDS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}  # ring passes over the buffer
 
-
-def collective_seconds(kind: str, full_bytes: int, world: int, hw: Hardware) -> float:
-    """Ring estimate of one collective over a ``full_bytes`` (unsharded) buffer across ``world`` ranks.
-
-    All-gather and reduce-scatter send (world-1)/world of the buffer through each rank:
-    ``latency + (world-2) * hop_latency + (world-1)/world * full_bytes / busbw``; an all-reduce is a
-    reduce-scatter followed by an all-gather, twice that. Simplification: a group of at most
-    ``ranks_per_node`` ranks is taken to sit in one node (NVLink bandwidth), a larger one to be bound
-    by the inter-node links throughout (a ring is as fast as its slowest link); placement of ranks and
-    NCCL's tree/NVLS algorithms are not modelled.
+def collective_seconds(kind: str, full_bytes: int, world: int, hw: Hardware, *, hosts: int | None = None) -> float:
+    """Seconds one collective over a ``full_bytes`` (unsharded) buffer among all ``world`` ranks takes
+    alone: the ring estimate of NOTE [collective time] (``topology.py``),
+    ``latency + (world-2) * hop_latency + (world-1)/world * full_bytes / busbw``, twice that for an
+    all-reduce. ``hosts``: the hosts the world spans (default ``Topology.of``'s: hosts of
+    ``hw.ranks_per_node`` GPUs); a group on more than one is bound by the inter-host links throughout.
     """
-    if kind not in _KINDS:
-        raise ValueError(f"unknown collective kind {kind!r}; expected one of {', '.join(_KINDS)}")
-    if world <= 1:
-        return 0.0
-    busbw = hw.intra_node_busbw if world <= hw.ranks_per_node else hw.inter_node_busbw
-    one = hw.collective_latency + (world - 2) * hw.hop_latency + (world - 1) / world * full_bytes / busbw
-    return _KINDS[kind] * one
+    spans = world > 1 and Topology.of(world, hw, hosts).hosts > 1
+    return ring_seconds(kind, full_bytes, world, hw, spans_hosts=spans)
 
 
 def collective_bytes(launch: fx.Node) -> int:
@@ -111,9 +104,30 @@ def collective_world(launch: fx.Node) -> int:
         return 2
 
 
-def launch_seconds(launch: fx.Node, hw: Hardware) -> float:
-    """``collective_seconds`` of a launch node, its kind, bytes and world read from the graph."""
-    return collective_seconds(collective_kind(launch), collective_bytes(launch), collective_world(launch), hw)
+def _replicates(launch: fx.Node) -> bool:
+    return (launch.meta.get("fsdp") or {}).get("stream") == "replicate"
+
+
+def launch_ranks(launch: fx.Node, world: int) -> range:
+    """The global ranks of a launch's group in a ``world`` laid out as a 2-D mesh (replicas x shards):
+    an HSDP all-reduce across replicas (stream ``replicate``) takes every ``world // n``-th rank, any
+    other collective the first ``n`` (FSDP's groups: the whole world, or one replica's shards)."""
+    n = collective_world(launch)
+    return range(0, world, max(world // n, 1)) if _replicates(launch) else range(min(n, world))
+
+
+def graph_world(gm: fx.GraphModule) -> int:
+    """The ranks a graph's collectives span: its largest group, times the replicas of an HSDP graph."""
+    launches = [n for n in gm.graph.nodes if is_collective(n)]
+    shards = max((collective_world(n) for n in launches if not _replicates(n)), default=1)
+    return shards * max((collective_world(n) for n in launches if _replicates(n)), default=1)
+
+
+def launch_seconds(launch: fx.Node, topology: Topology) -> float:
+    """Seconds a launch takes alone on ``topology`` (NOTE [collective time]): its kind, bytes and
+    group read from the graph, its ranks by ``launch_ranks``."""
+    ranks = launch_ranks(launch, topology.world)
+    return topology.solo_seconds(collective_kind(launch), collective_bytes(launch), ranks)
 
 
 # --- compute ------------------------------------------------------------------------------------
@@ -303,14 +317,16 @@ def node_seconds(node: fx.Node, hw: Hardware) -> float:
 # step (reads + writes, counted in torch/optim/adam.py and torch/optim/sgd.py, default settings): AdamW multiplies
 # params by 1 - lr*wd (2), lerps exp_avg (3), scales and addcmuls exp_avg_sq (2 + 4), takes its sqrt,
 # divides, adds eps (2 + 2 + 2) and addcdivs the params (4). Adam has no decay pass. SGD with momentum:
-# buf = momentum * buf + grad (2 + 3), params -= lr * buf (3).
-OPTIMIZER_PASSES: dict[str, int] = {"adamw": 21, "adam": 19, "sgd": 8}
+# buf = momentum * buf + grad (2 + 3), params -= lr * buf (3). AdamW(fused=True) is one multi-tensor kernel
+# that reads params, grads, exp_avg and exp_avg_sq once and writes params, exp_avg and exp_avg_sq once (7).
+OPTIMIZER_PASSES: dict[str, int] = {"adamw": 21, "adam": 19, "sgd": 8, "adamw-fused": 7}
 
 
 def optimizer_seconds(shards: Iterable[torch.Tensor | tuple[int, int]], hw: Hardware, optimizer: str = "adamw") -> float:
     """One optimizer step over this rank's ``shards`` (tensors, or ``(numel, element_size)`` pairs),
-    its state in the params' dtype: memory-bound, ``OPTIMIZER_PASSES`` passes at ``foreach_fraction``
-    of the memory bandwidth."""
+    its state and gradients in the params' dtype: memory-bound, ``OPTIMIZER_PASSES`` passes at
+    ``foreach_fraction`` of the memory bandwidth (the fused kernel applies over tensor lists as the foreach
+    ones do)."""
     if optimizer not in OPTIMIZER_PASSES:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_PASSES)} or None")
     total = 0

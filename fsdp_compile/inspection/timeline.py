@@ -3,8 +3,9 @@
 The model follows NOTE [streams] (``passes/schedule/streams.py``): one compute stream runs compute nodes,
 pack/unpack copies and waits in graph order; each collective launch is issued when the compute stream
 reaches it and runs on its annotated stream, a serial queue (``comm`` is one communicator shared by
-all-gathers and reduce-scatters, so they serialise there); a wait blocks the compute stream until its
-collective ends. Node costs come from ``fsdp_compile.inspection.cost``::
+all-gathers and reduce-scatters, so they serialise there); collectives running at the same time on
+different streams share the rank's links (NOTE [collective time] in ``topology.py``); a wait blocks the
+compute stream until its collective ends. Node costs come from ``fsdp_compile.inspection.cost``::
 
     tl = simulate(graphs["backward"], load_hardware("h200"))
     tl.summary()                    # step time, exposed communication %, peak bytes in flight
@@ -22,10 +23,11 @@ from torch import fx
 
 from fsdp_compile.passes.predicates import collective_kind, is_collective, is_wait, op_name, waited_collective
 
-from fsdp_compile.inspection.cost import collective_bytes, launch_seconds
+from fsdp_compile.inspection.cost import collective_bytes, graph_world, launch_seconds
 from fsdp_compile.inspection.fusion import graph_seconds
 from fsdp_compile.inspection.hardware import Hardware
 from fsdp_compile.inspection.schedule import Row, graph_group_labels, in_flight_peaks, rows
+from fsdp_compile.inspection.topology import Links, Topology
 
 __all__ = ["Span", "Timeline", "simulate", "table", "chrome_trace", "write_png"]
 
@@ -111,57 +113,68 @@ def _beside_collectives(now: float, work: float, in_flight: list[tuple[float, fl
     return t + left - now
 
 
-def simulate(gm: fx.GraphModule, hw: Hardware, groups: Mapping[str, str] | None = None) -> Timeline:
+def simulate(gm: fx.GraphModule, hw: Hardware | Topology, groups: Mapping[str, str] | None = None) -> Timeline:
     """Walk ``gm`` in graph order and time every call node on ``hw`` (see module doc).
 
+    ``hw``: a ``Topology`` (the world's hosts, and the links' ``shared`` capacity), or a ``Hardware``,
+    taken as ``Topology.of`` the ranks the graph's collectives span (hosts of ``ranks_per_node`` GPUs).
+    Collectives on different streams (communicators) share the links (NOTE [collective time]).
     Spans name their process group by label (``ag``, ``rs``, ``ag+rs``, ``rep``: ``groups``, by default
     ``schedule.graph_group_labels(gm)``), as the tables do.
     """
+    topology = hw if isinstance(hw, Topology) else Topology.of(graph_world(gm), hw)
+    hw = topology.hardware
     labels = graph_group_labels(gm) if groups is None else dict(groups)
     costs = graph_seconds(gm, hw)
-    in_flight: list[tuple[float, float]] = []  # collectives' (start, end), for hw.overlap_slowdown
+    links = Links(topology.shared)
     now = 0.0  # the compute stream's clock
-    free: dict[str, float] = {}  # each collective stream's free time
-    busy: dict[str, float] = {}
-    ends: dict[fx.Node, float] = {}
-    spans: list[Span] = []
+    spans: list[Span | fx.Node] = []  # a launch stands in for its span until the links have timed it
+    launched: set[fx.Node] = set()
     compute = exposed = 0.0
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         meta = _fsdp(n)
         if is_collective(n):
-            kind = collective_kind(n)
-            stream = str(meta.get("stream") or _DEFAULT_STREAM[kind])
-            start = max(now, free.get(stream, 0.0))
-            dur = launch_seconds(n, hw)
-            ends[n] = free[stream] = start + dur
-            in_flight.append((start, start + dur))
-            busy[stream] = busy.get(stream, 0.0) + dur
-            group = str(n.args[-1])
-            spans.append(Span(n.name, kind, stream, meta.get("unit"), labels.get(group, group), collective_bytes(n),
-                              start, start + dur))
+            links.issue(n, _stream(n), launch_seconds(n, topology), now)
+            spans.append(n)
+            launched.add(n)
         elif is_wait(n):
             launch = waited_collective(n)
-            start, now = now, max(now, ends.get(launch, now))
+            start, now = now, max(now, links.interval(launch)[1] if launch in launched else now)
             exposed += now - start
             group = str(launch.args[-1])
             spans.append(Span(n.name, "wait", "compute", _fsdp(launch).get("unit"), labels.get(group, group), 0,
                               start, now))
-        else:
-            in_flight = [iv for iv in in_flight if iv[1] > now]
-            dur = _beside_collectives(now, costs.get(n, 0.0), in_flight, hw.overlap_slowdown)
+        else:  # compute: no launch comes before it ends, so the links' plan holds throughout
+            dur = _beside_collectives(now, costs.get(n, 0.0), list(links.pending().values()), hw.overlap_slowdown)
             spans.append(Span(n.name, op_name(n), "compute", meta.get("unit"), "", 0, now, now + dur))
             now += dur
             compute += dur
+    timed = [s if isinstance(s, Span) else _launch_span(s, links.interval(s), labels) for s in spans]
+    busy: dict[str, float] = {}
+    for s in timed:
+        if s.stream != "compute":
+            busy[s.stream] = busy.get(s.stream, 0.0) + s.end - s.start
     return Timeline(
-        spans=tuple(spans),
-        step_seconds=max([now, *free.values()]),
+        spans=tuple(timed),
+        step_seconds=max([now, *(s.end for s in timed)]),
         compute_seconds=compute,
         exposed_comm_seconds=exposed,
         comm_seconds=busy,
         in_flight=in_flight_peaks(gm),
     )
+
+
+def _stream(launch: fx.Node) -> str:
+    """The stream (communicator) a launch runs on: its annotation, else its kind's own (NOTE [streams])."""
+    return str(_fsdp(launch).get("stream") or _DEFAULT_STREAM[collective_kind(launch)])
+
+
+def _launch_span(n: fx.Node, interval: tuple[float, float], labels: Mapping[str, str]) -> Span:
+    group = str(n.args[-1])
+    return Span(n.name, collective_kind(n), _stream(n), _fsdp(n).get("unit"), labels.get(group, group),
+                collective_bytes(n), *interval)
 
 
 # --- outputs ------------------------------------------------------------------------------------

@@ -26,10 +26,11 @@ VARIANTS = (*cli.VARIANTS, "simplefsdp")
 
 
 def build(variant: str, cfg: ModelConfig, tokens: int, device: torch.device, dtype: str,
-          options: dict[str, Any] | None = None) -> Callable[[], None]:
-    """``cli.build_step``'s variants, and SimpleFSDP: sharded on meta, shards filled with N(0, 0.02)."""
+          options: dict[str, Any] | None = None, root_reshard: bool = True) -> Callable[[], None]:
+    """``cli.build_step``'s variants, and SimpleFSDP: sharded on meta, shards filled with N(0, 0.02)
+    (SimpleFSDP re-gathers every parameter in backward: ``root_reshard`` does not apply)."""
     if variant != "simplefsdp":
-        return cli.build_step(variant, cfg, tokens, device, dtype, options)
+        return cli.build_step(variant, cfg, tokens, device, dtype, options, root_reshard)
     from torch.distributed.device_mesh import init_device_mesh
 
     simple = _simple_fsdp_module()

@@ -58,6 +58,9 @@ def _explain_arguments(p: argparse.ArgumentParser) -> None:
                    help="'mixed': bf16 compute and all-gathers over fp32 shards, fp32 reduce-scatters (as emulate's)")
     p.add_argument("--dedicated", default="reduce_scatter", choices=["reduce_scatter", "all_gather", "none"])
     p.add_argument("--schedule", default="eager", choices=["eager", "delayed"])
+    p.add_argument("--root-reshard", action=argparse.BooleanOptionalAction, default=True,
+                   help="the root unit reshards after forward (--no-root-reshard: the parameters backward reads "
+                        "first, such as the output head, stay gathered into backward, as FSDP2 keeps its root's)")
     p.add_argument("--prefetch", type=_prefetch_arg, default=1,
                    help="units gathered ahead of use: a number, or 'auto' (picked by the cost model)")
     p.add_argument("--prefetch-bytes", type=_bytes_arg, default=None,
@@ -108,7 +111,8 @@ def _explain(ns: argparse.Namespace) -> int:
     result = explain(
         ns.model, world_size=ns.world_size, hosts=ns.hosts, hardware=ns.hardware, calibration=ns.calibration,
         batch=ns.batch, seq=ns.seq, dtype=torch.bfloat16 if ns.dtype == "bf16" else torch.float32,
-        mp_policy=mixed if ns.dtype == "mixed" else None, dedicated=ns.dedicated,
+        mp_policy=mixed if ns.dtype == "mixed" else None, root_reshard_after_forward=ns.root_reshard,
+        dedicated=ns.dedicated,
         optimizer=None if ns.optimizer == "none" else ns.optimizer, schedule=ns.schedule, prefetch=ns.prefetch,
         prefetch_bytes=ns.prefetch_bytes, reduce_scatter_bytes=ns.reduce_scatter_bytes,
         trace_layers=ns.trace_layers or None, out_dir=ns.out if ns.out is not None else _fresh_dir(Path(_OUT)),

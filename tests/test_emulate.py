@@ -262,9 +262,11 @@ def test_backend_options_reach_each_variants_process() -> None:
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    ns = p.parse_args(["--world", "64", "--option", "bucket_alone_bytes=None", "--option", "prefetch=2"])
+    ns = p.parse_args(["--world", "64", "--option", "bucket_alone_bytes=None", "--option", "prefetch=2",
+                       "--no-root-reshard"])
     assert backend_options(ns.option) == {"bucket_alone_bytes": None, "prefetch": 2}
     child = p.parse_args(_argv(ns, "fsdp-compile", "r.json")[1:])
     assert backend_options(child.option) == {"bucket_alone_bytes": None, "prefetch": 2} and child.world == 64
+    assert not child.root_reshard and p.parse_args(_argv(p.parse_args([]), "fsdp-compile", "r.json")[1:]).root_reshard
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         backend_options(["prefetch"])

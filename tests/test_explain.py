@@ -303,3 +303,13 @@ def test_torch_logs_prints_the_schedule() -> None:
         assert f"fsdp-compile forward schedule (rank {rank})" in text and "fsdp-compile backward schedule" in text
         assert " rs " in text and " ag " in text  # labels, not the process groups' names
     assert "schedule" not in rank1
+
+
+def test_a_root_kept_gathered_is_not_gathered_again_in_backward() -> None:
+    """``root_reshard_after_forward=False``: the root's parameters that backward reads (the output head)
+    stay gathered from forward, so backward gathers one unit fewer and forward is unchanged."""
+    kept = tiny(root_reshard_after_forward=False)
+    assert kept.tables["forward"].count("all_gather_into_tensor") == tiny().tables["forward"].count(
+        "all_gather_into_tensor")
+    assert kept.tables["backward"].count("all_gather_into_tensor") < tiny().tables["backward"].count(
+        "all_gather_into_tensor")

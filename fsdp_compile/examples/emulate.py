@@ -53,9 +53,11 @@ def meta_model(cfg: ModelConfig, tokens: int, dtype: str) -> Transformer:
 
 
 def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device,
-               dtype: str = "mixed", options: dict[str, Any] | None = None) -> Callable[[], None]:
+               dtype: str = "mixed", options: dict[str, Any] | None = None,
+               root_reshard: bool = True) -> Callable[[], None]:
     """One training step of ``variant`` on this rank's shards (built on meta, ``to_empty``, initialised);
-    ``options`` go to ``make_backend`` for our variants (e.g. ``{"bucket_alone_bytes": None}``)."""
+    ``options`` go to ``make_backend`` for our variants (e.g. ``{"bucket_alone_bytes": None}``), and
+    ``root_reshard`` is the root unit's ``reshard_after_forward`` (ours and FSDP2's)."""
     from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
 
     model = meta_model(cfg, tokens, dtype)
@@ -66,7 +68,7 @@ def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_over_fp32 else None
         for block in model.layers:
             fully_shard(block, groups=groups, mp_policy=mp)
-        fully_shard(model, groups=groups, mp_policy=mp)
+        fully_shard(model, groups=groups, mp_policy=mp, reshard_after_forward=root_reshard)
         backend = make_backend(**{"schedule": "delayed" if delayed else "eager", **(options or {})})
         forward: Any = torch.compile(model, backend=backend)
     elif variant == "fsdp2-compile":
@@ -78,7 +80,7 @@ def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device
         mp2 = Fsdp2Mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_over_fp32 else Fsdp2Mp()
         for block in model.layers:
             fsdp2_fully_shard(block, mesh=mesh, mp_policy=mp2)
-        fsdp2_fully_shard(model, mesh=mesh, mp_policy=mp2)
+        fsdp2_fully_shard(model, mesh=mesh, mp_policy=mp2, reshard_after_forward=root_reshard)
         forward = torch.compile(model)
     else:
         raise ValueError(f"build_step: unknown variant {variant!r}; expected one of {VARIANTS}")
@@ -120,6 +122,9 @@ def add_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = VARIAN
                    help="one variant in this process, or 'all': each in a process of its own")
     p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
                    help="a make_backend option for our variants, VALUE a Python literal (e.g. bucket_alone_bytes=None)")
+    p.add_argument("--root-reshard", action=argparse.BooleanOptionalAction, default=True,
+                   help="the root unit reshards after forward (--no-root-reshard: the parameters backward reads "
+                        "first, such as the output head, stay gathered into backward)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="out/emulate", help="directory for summary.json and each variant's trace")
@@ -136,6 +141,8 @@ def _argv(ns: argparse.Namespace, variant: str, json_path: str) -> list[str]:
             argv += [f"--{name}", str(getattr(ns, name))]
     for pair in ns.option or []:
         argv += ["--option", pair]
+    if not ns.root_reshard:
+        argv.append("--no-root-reshard")
     return argv
 
 
@@ -163,7 +170,7 @@ def run_variant(ns: argparse.Namespace, variant: str, build: Builder = build_ste
     init_emulated_world(EmulatedTopology(ns.world, hw, hosts=ns.hosts, blocks=ns.blocks, shared=ns.shared))
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = PRESETS[ns.model].with_(**({"n_layers": ns.layers} if ns.layers else {}))
-    step = build(variant, cfg, ns.tokens, device, ns.dtype, backend_options(ns.option))
+    step = build(variant, cfg, ns.tokens, device, ns.dtype, backend_options(ns.option), ns.root_reshard)
     out = Path(ns.out)
     report = measure_steps(step, label=variant, steps=ns.steps, warmup=ns.warmup,
                            flops_per_step=train_flops(cfg, ns.tokens), peak_flops=hw.peak_flops_bf16,

@@ -77,6 +77,7 @@ def _trace(
     blocks: Callable[[nn.Module], list[nn.Module]],
     fused_attention: bool,
     mp_policy: MixedPrecisionPolicy | None,
+    root_reshard: bool = True,
 ) -> _Traced:
     owned = not dist.is_initialized()
     if owned:
@@ -90,7 +91,7 @@ def _trace(
         groups = FsdpGroups.create(dedicated=dedicated)
         for block in blocks(model):  # not outlined: the cost model estimates op by op, and FusedAttention
             fully_shard(block, groups=groups, outline=False, mp_policy=mp_policy)  # must see every block's attention
-        fully_shard(model, groups=groups, mp_policy=mp_policy)
+        fully_shard(model, groups=groups, mp_policy=mp_policy, reshard_after_forward=root_reshard)
         shards = [(p.numel(), p.element_size()) for p in model.parameters() if p.requires_grad]
         backend = make_backend(inductor=False, check_agreement=False, **backend_kw)  # hardware: see explain()
         torch.compiler.reset()
@@ -170,6 +171,7 @@ def explain(
     seq: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     mp_policy: MixedPrecisionPolicy | None = None,
+    root_reshard_after_forward: bool = True,
     example_input: Tensor | None = None,
     loss: Callable[[Any], Tensor] | None = None,
     blocks: Callable[[nn.Module], list[nn.Module]] = _default_blocks,
@@ -190,6 +192,8 @@ def explain(
     ``mp_policy``: ``fully_shard``'s mixed precision for every unit, e.g. bf16 compute over fp32 shards
     with fp32 gradient reduction: ``dtype=torch.float32, mp_policy=MixedPrecisionPolicy(
     param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (the CLI's ``--dtype mixed``).
+    ``root_reshard_after_forward``: the root unit's ``reshard_after_forward`` (``False``: the root's
+    parameters that backward reads, such as the output head, stay gathered from forward into backward).
     ``hardware``: a preset of ``cost.HARDWARE``; ``calibration``: measured numbers overriding it.
     ``hosts``: the hosts the ``world_size`` ranks sit on, the same number of GPUs on each (default:
     hosts of the preset's ``ranks_per_node`` GPUs, ``Topology.of``); a group that spans hosts runs at
@@ -231,14 +235,15 @@ def explain(
         def build(layers: int) -> _Traced:
             built, tokens, preset_loss = _preset(cfg.with_(n_layers=layers, max_seq_len=max(seq, cfg.max_seq_len)),
                                                  dtype, batch, seq)  # type: ignore[arg-type]
-            return _trace(built, tokens, loss or preset_loss, world_size, dedicated, backend_kw, blocks, fused, mp_policy)
+            return _trace(built, tokens, loss or preset_loss, world_size, dedicated, backend_kw, blocks, fused, mp_policy,
+                          root_reshard_after_forward)
 
         traced = build(depth)
     elif isinstance(model, nn.Module):
         if example_input is None:
             raise TypeError("explain: pass example_input=... (a tensor the module takes) with a module")
         traced = _trace(model, example_input, loss or _sum_loss, world_size, dedicated, backend_kw, blocks, fused,
-                        mp_policy)
+                        mp_policy, root_reshard_after_forward)
     else:
         raise TypeError(f"explain: model must be a preset name, a ModelConfig or an nn.Module, not {type(model).__name__}")
 

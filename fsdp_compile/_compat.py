@@ -50,16 +50,29 @@ def register_collective_work(tensor: torch.Tensor, work: dist.Work) -> None:
 
 
 class PythonGroupDevices:
-    """For a process group written in Python: the device-type queries torch makes of a group's C++
-    backends (``distributed_c10d._get_pg_default_device`` reads ``_device_types``; Inductor's collective
-    estimate then asks ``_get_backend``), answered as a group without a C++ backend would."""
+    """For a process group written in Python: the device queries torch makes of a group's C++ backends,
+    answered as for a group without one. ``distributed_c10d._get_pg_default_device`` reads
+    ``_device_types``; Inductor's collective estimate then asks ``_get_backend(device)`` whether it
+    estimates times (torch 2.11 without catching an error), and falls back to its own formula on no."""
 
     @property
     def _device_types(self) -> list[torch.device]:
         return [torch.device("cuda" if torch.cuda.is_available() else "cpu")]
 
-    def _get_backend(self, device: torch.device) -> Any:
-        raise RuntimeError(f"{type(self).__name__} has no C++ backend for {device}")
+    def _get_backend(self, device: torch.device) -> _NoCppBackend:
+        return _NoCppBackend(f"{type(self).__name__} has no C++ backend for {device}")
+
+
+class _NoCppBackend:
+    """A Python group's answer to ``_get_backend``: no time estimate, and any other use is an error."""
+
+    supports_time_estimate = False
+
+    def __init__(self, why: str) -> None:
+        self._why = why
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"{self._why} (asked for {name!r})")
 
 
 def print_native_stacks_on_fatal_signal() -> None:

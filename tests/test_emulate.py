@@ -247,12 +247,15 @@ def test_variants_run_one_per_command_add_up_to_one_summary(tmp_path) -> None:  
 
 def test_an_emulated_group_answers_torchs_device_queries(world8: EmulatedTopology) -> None:
     """Inductor's collective estimate (SimpleFSDP's overlap bucketing) asks a group for its default device,
-    then for a C++ backend; an emulated group has a device and no C++ backend, which torch handles."""
+    then whether its C++ backend estimates times: an emulated group has a device and says no (torch
+    2.11 does not catch an error there); any other use of the missing backend raises."""
     group = dist.new_group()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert dist.distributed_c10d._get_pg_default_device(group) == torch.device(device)
+    backend = group._get_backend(torch.device(device))
+    assert backend.supports_time_estimate is False
     with pytest.raises(RuntimeError, match="no C\\+\\+ backend"):
-        group._get_backend(torch.device(device))
+        backend.supports_tensor_alloc(torch.device(device))
 
 
 def test_backend_options_reach_each_variants_process() -> None:

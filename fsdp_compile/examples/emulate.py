@@ -57,7 +57,7 @@ def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device
                root_reshard: bool = True) -> Callable[[], None]:
     """One training step of ``variant`` on this rank's shards (built on meta, ``to_empty``, initialised);
     ``options`` go to ``make_backend`` for our variants (e.g. ``{"bucket_alone_bytes": None}``), and
-    ``root_reshard`` is the root unit's ``reshard_after_forward`` (ours and FSDP2's)."""
+    ``root_reshard`` is our root unit's ``reshard_after_forward`` (FSDP2 keeps its root gathered by default)."""
     from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
 
     model = meta_model(cfg, tokens, dtype)
@@ -80,7 +80,7 @@ def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device
         mp2 = Fsdp2Mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_over_fp32 else Fsdp2Mp()
         for block in model.layers:
             fsdp2_fully_shard(block, mesh=mesh, mp_policy=mp2)
-        fsdp2_fully_shard(model, mesh=mesh, mp_policy=mp2, reshard_after_forward=root_reshard)
+        fsdp2_fully_shard(model, mesh=mesh, mp_policy=mp2)  # its root stays gathered into backward by default
         forward = torch.compile(model)
     else:
         raise ValueError(f"build_step: unknown variant {variant!r}; expected one of {VARIANTS}")
@@ -123,8 +123,8 @@ def add_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = VARIAN
     p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
                    help="a make_backend option for our variants, VALUE a Python literal (e.g. bucket_alone_bytes=None)")
     p.add_argument("--root-reshard", action=argparse.BooleanOptionalAction, default=True,
-                   help="the root unit reshards after forward (--no-root-reshard: the parameters backward reads "
-                        "first, such as the output head, stay gathered into backward)")
+                   help="our root unit reshards after forward (--no-root-reshard: the parameters backward reads "
+                        "first, such as the output head, stay gathered into backward, as FSDP2's root does)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="out/emulate", help="directory for summary.json and each variant's trace")

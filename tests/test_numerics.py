@@ -61,6 +61,8 @@ TWO_RANKS: dict[str, Case] = {
     "outlined-no-sync": Case(microbatches=2, steps=3, no_sync=True, backend_kw=FX),
     # a stack accumulating without sync runs its blocks one by one (NOTE [stacked blocks])
     "stacked-no-sync": Case(model="llama-stacked", microbatches=2, steps=3, no_sync=True, backend_kw=FX),
+    # the root keeps what backward reads (the output head) gathered from forward, as FSDP2's root does
+    "root-kept": Case(optim="adamw", steps=5, root_kw={"reshard_after_forward": False}),
     **{f"schedule-{name}": Case(optim="adamw", steps=5, backend_kw=kw, group_kw=gkw)
        for name, (kw, gkw) in SCHEDULES.items()},
 }
@@ -99,6 +101,10 @@ def test_stacked_blocks_accumulate_without_sync(two_ranks: dict[str, list[dict[s
 def test_every_schedule_matches_the_reference(name: str, two_ranks: dict[str, list[dict[str, Any]]]) -> None:
     """AdamW, 5 steps, each schedule (the default one is the two-rank Llama AdamW case)."""
     check(two_ranks[f"schedule-{name}"], steps=5)
+
+
+def test_a_root_kept_gathered_into_backward_matches_the_reference(two_ranks: dict[str, list[dict[str, Any]]]) -> None:
+    check(two_ranks["root-kept"], steps=5)
 
 
 def test_gradients_accumulate_across_calls(two_ranks: dict[str, list[dict[str, Any]]]) -> None:

@@ -122,6 +122,18 @@ def _in_kernel(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda and t.is_contiguous() and t.dtype.is_floating_point for t in tensors)
 
 
+def _single(mode: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], n: int,
+            scale: float) -> _Data:
+    """The kernel's own data movement for a one-tensor all-gather (``"gather"``) or reduce-scatter
+    (``"reduce"``), or ``None`` where torch ops move it (several tensors, other dtypes or layouts)."""
+    if len(outputs) != 1 or len(inputs) != 1 or (mode == "gather" and outputs[0].dtype != inputs[0].dtype):
+        return None
+    o, i = outputs[0], inputs[0]
+    if not _in_kernel(o, i):
+        return None
+    return (mode, i, o, i.numel() if mode == "gather" else o.numel(), n, scale)
+
+
 def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
     return t if scale == 1.0 else t.mul_(scale)
 
@@ -219,8 +231,7 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
                 o.view(n, -1).copy_(i.reshape(1, -1).expand(n, -1))
 
         full = sum(o.numel() * o.element_size() for o in outputs)
-        (o, i), one = (outputs[0], inputs[0]), len(outputs) == 1
-        data = ("gather", i, o, i.numel(), n, 1.0) if one and _in_kernel(o, i) and o.dtype == i.dtype else None
+        data = _single("gather", outputs, inputs, n, 1.0)
         return self._launch("all_gather", full, list(outputs) + list(inputs), move, list(outputs), data)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -260,8 +271,7 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
                     o.view(-1).copy_(i.reshape(n, -1)[0])
 
         full = sum(i.numel() * i.element_size() for i in inputs)
-        (o, i), one = (outputs[0], inputs[0]), len(outputs) == 1
-        data = ("reduce", i, o, o.numel(), n, scale) if one and _in_kernel(o, i) else None
+        data = _single("reduce", outputs, inputs, n, scale)
         return self._launch("reduce_scatter", full, list(outputs) + list(inputs), move, list(outputs), data)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced

@@ -27,6 +27,7 @@ from fsdp_compile.passes.predicates import is_all_gather, waited_collective
 
 from .graph_utils import FakeWorldTestCase, ThreeUnits, shard_blocks_then_root
 from .test_outline import Mlp
+from .test_schedules import EmbeddingAndHead
 
 _LAUNCH = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")
 # a bucket's in-place all-gather (NOTE [in-place all-gather]) returns nothing: its buffer is ``out=``
@@ -72,12 +73,14 @@ class InductorOrderTest(FakeWorldTestCase):
     """The order of launches and waits survives Inductor: read its generated code."""
 
     def compiled_orders(self, model: torch.nn.Module | None = None, grad_in: bool = False,
+                        example: torch.Tensor | None = None,
                         **backend_kw: Any) -> tuple[list[list[str]], list[list[str]]]:
         groups = FsdpGroups.create()
         torch.manual_seed(0)
         model = torch.compile(shard_blocks_then_root(model or ThreeUnits(), groups), backend=make_backend(**backend_kw))
         with observe_graphs() as seen:
-            _, codes = run_and_get_code(lambda: model(torch.randn(4, 8, requires_grad=grad_in)).sum().backward())
+            x = torch.randn(4, 8, requires_grad=grad_in) if example is None else example
+            _, codes = run_and_get_code(lambda: model(x).sum().backward())
         return [fx_order(gm) for _, gm in seen], [emitted_order(c) for c in codes]
 
     def test_emitted_order_matches_schedule(self) -> None:
@@ -92,6 +95,12 @@ class InductorOrderTest(FakeWorldTestCase):
         # collectives around them, run in the scheduled order.
         fx, emitted = self.compiled_orders(Mlp(), grad_in=True)  # (else block 0's body differs: its input)
         self.assertEqual([o.count("call") for o in fx], [3, 3])
+        self.assertEqual(emitted, fx)
+
+    def test_a_root_reduced_in_two_stretches_keeps_its_order(self) -> None:
+        # NOTE [gradients in stretches]: the root's head is reduce-scattered first, its embedding last.
+        fx, emitted = self.compiled_orders(EmbeddingAndHead(), example=torch.randint(0, 16, (4,)))
+        self.assertEqual(fx[1].count("reduce_scatter"), 4)  # two blocks, and the root twice
         self.assertEqual(emitted, fx)
 
     def test_without_pinning_inductor_undoes_the_schedule(self) -> None:

@@ -9,6 +9,7 @@ Run with ``EXPECTTEST_ACCEPT=1`` to update the snapshots after an intended chang
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy
@@ -358,3 +359,68 @@ class HsdpScheduleTest(FakeWorldTestCase):
 43 compute           (1 nodes)
 44 unpack          unit 0  rep
 45 compute           (3 nodes)""")
+
+
+class EmbeddingAndHead(nn.Module):
+    """An embedding, two linear blocks and an output head: the root's parameters are read at both ends."""
+
+    def __init__(self, width: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+class RootAtBothEndsTest(FakeWorldTestCase):
+
+    def test_each_stretch_of_the_root_s_gradients_is_reduced_when_it_exists(self) -> None:
+        groups = FsdpGroups.create(dedicated="reduce_scatter")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        torch.manual_seed(0)
+        model = shard_blocks_then_root(EmbeddingAndHead(), groups, mp_policy=mp)
+        graphs = capture(model, torch.randint(0, 16, (4,)))
+        bwd = listing(graphs["backward"], group_labels(groups))
+        # NOTE [gradients in stretches]: the root (unit 2) has two reduce-scatters, each cast to fp32: its
+        # head's, right after the head's weight gradient at the start of backward (it runs under the blocks'
+        # backward and is waited before unit 1's pack), and its embedding's at the end.
+        self.assertExpectedInline(bwd, """\
+0  compute         mm  (2 nodes)
+1  pack            unit 2  rs
+2  reduce_scatter  unit 2  rs     reduce_scatter  512 B
+3  pack            unit 2  ag
+4  all_gather      unit 2  ag     all_gather      256 B
+5  pack            unit 1  ag
+6  all_gather      unit 1  ag     all_gather      128 B
+7  wait            unit 2  ag     all_gather
+8  unpack          unit 2  ag
+9  compute         mm le where  (6 nodes)
+10 pack            unit 0  ag
+11 all_gather      unit 0  ag     all_gather      128 B
+12 wait            unit 1  ag     all_gather
+13 unpack          unit 1  ag
+14 compute         mm sum  (7 nodes)
+15 wait            unit 2  rs     reduce_scatter
+16 unpack          unit 2  rs
+17 pack            unit 1  rs
+18 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+19 compute         le where  (2 nodes)
+20 wait            unit 0  ag     all_gather
+21 unpack          unit 0  ag
+22 compute         mm sum  (7 nodes)
+23 wait            unit 1  rs     reduce_scatter
+24 unpack          unit 1  rs
+25 pack            unit 0  rs
+26 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+27 compute         ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (10 nodes)
+28 wait            unit 0  rs     reduce_scatter
+29 unpack          unit 0  rs
+30 pack            unit 2  rs
+31 reduce_scatter  unit 2  rs     reduce_scatter  512 B
+32 wait            unit 2  rs     reduce_scatter
+33 unpack          unit 2  rs""")

@@ -313,22 +313,23 @@ class StackSchedule(FakeWorldTestCase):
                          tuple(body.sub("call", s) for s in outlined_apart))
         forward, backward = self._listings(stacked=True)
         self.assertExpectedInline(forward, """\
-0  all_gather      unit 3  ag     all_gather      288 B
-1  pack            unit 0  ag
-2  all_gather      unit 0  ag     all_gather      1120 B
-3  wait            unit 3  ag     all_gather
-4  unpack          unit 3  ag
-5  compute         addmm  (2 nodes)
-6  pack            unit 1  ag
-7  all_gather      unit 1  ag     all_gather      1120 B
-8  wait            unit 0  ag     all_gather
-9  compute         call fw_unrolled_scan_combine_fn_0_0  (5 nodes)
-10 pack            unit 2  ag
-11 all_gather      unit 2  ag     all_gather      1120 B
-12 wait            unit 1  ag     all_gather
-13 compute         call fw_unrolled_scan_combine_fn_0_0  (5 nodes)
-14 wait            unit 2  ag     all_gather
-15 compute         call fw_unrolled_scan_combine_fn_0_0  (5 nodes)""")
+0  pack            unit 3  ag
+1  all_gather      unit 3  ag     all_gather      288 B
+2  pack            unit 0  ag
+3  all_gather      unit 0  ag     all_gather      1120 B
+4  wait            unit 3  ag     all_gather
+5  unpack          unit 3  ag
+6  compute         addmm  (2 nodes)
+7  pack            unit 1  ag
+8  all_gather      unit 1  ag     all_gather      1120 B
+9  wait            unit 0  ag     all_gather
+10 compute         call fw_unrolled_scan_combine_fn_0_0  (5 nodes)
+11 pack            unit 2  ag
+12 all_gather      unit 2  ag     all_gather      1120 B
+13 wait            unit 1  ag     all_gather
+14 compute         call fw_unrolled_scan_combine_fn_0_0  (5 nodes)
+15 wait            unit 2  ag     all_gather
+16 compute         call fw_unrolled_scan_combine_fn_0_0  (5 nodes)""")
         self.assertExpectedInline(backward, """\
 0  pack            unit 2  ag
 1  all_gather      unit 2  ag     all_gather      1024 B

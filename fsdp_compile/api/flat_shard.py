@@ -20,7 +20,11 @@ replacement of a parameter's data (``p.data = t``) is found before the next comp
 parameter made its view again; anything else raises, naming the fix.
 
 A unit is laid out flat when it has two or more parameters of one dtype and device, all requiring grad
-when ``fully_shard`` runs, and is no stacked block (``stack.py`` reads shards its own way). A parameter
+when ``fully_shard`` runs, and is no stacked block (``stack.py`` reads shards its own way) and holds no
+other unit. A unit that holds others (the root: embedding, final norm, output head) reads its parameters
+around theirs, so their gradients exist at the two ends of backward; kept apart, each stretch is
+reduce-scattered as soon as it exists (NOTE [gradients in stretches] in ``passes/lower/bucket.py``),
+where one flat gradient would hold the output head's bucket until the embedding's gradient. A parameter
 frozen later is still read from the flat (its gradient computed and reduced, never handed out: freeze
 before ``fully_shard`` to save that work).
 """
@@ -36,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_compile.api.grads import as_shard_grad
 from fsdp_compile.api.materialize import rebind_params
-from fsdp_compile.api.units import ShardedParam, Unit
+from fsdp_compile.api.units import ShardedParam, Unit, units_under
 
 __all__ = ["flat_check", "flat_member", "flatten_unit", "is_flat", "refresh_flat"]
 
@@ -59,7 +63,8 @@ def flat_member(flat: object, offset: int) -> ShardedParam | None:
 def _eligible(unit: Unit) -> bool:
     shards = [sp.shard for sp in unit.params]
     return (not unit.stacked and len(shards) >= 2 and len({(s.dtype, s.device) for s in shards}) == 1
-            and shards[0].device.type != "meta" and all(s.requires_grad for s in shards))
+            and shards[0].device.type != "meta" and all(s.requires_grad for s in shards)
+            and all(u is unit for u in units_under(unit.module)))
 
 
 def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
@@ -174,3 +179,4 @@ def _heal(sp: ShardedParam) -> None:
         piece = flat.detach().narrow(0, sp.offset, p.numel())
         piece.copy_(p.detach().reshape(-1))
         p.data = piece.view(p.shape)
+

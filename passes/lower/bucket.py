@@ -41,7 +41,16 @@ again; what alone would cost is a launch per parameter, host time that a backwar
 cannot spare (the GPU idles between the launches: docs/performance.md).
 
 Only collectives of one group, one dtype and one world size share a bucket, and members are packed in
-graph order, which is the same on every rank. The bucket is placed where its first member was (an
+graph order, which is the same on every rank.
+
+NOTE [gradients in stretches]: a unit's gradients usually exist together, in its own stretch of
+backward. A unit that holds others (the root) does not: its output head's gradient exists at the start of
+backward, its embedding's at the end, with every block's backward between. Its reduce-scatter members
+are split where another unit's reduce-scatter comes between two of them in graph order, and each
+stretch is a bucket of its own, launched as soon as that stretch exists (``schedule/reduce_scatter.py``):
+the head's bucket runs under the blocks' backward instead of waiting, full size and cast to the reduce
+dtype, for the embedding. Pieces of one flat shard's gradient are never split (that gradient is one
+tensor); ``fully_shard`` lays out no flat for a unit that holds others (``flat_shard.py``). The bucket is placed where its first member was (an
 all-gather) or where its last member was (a reduce-scatter); ``order.reorder`` then makes the graph
 legal again, moving each member's consumers after the bucket's wait.
 """
@@ -77,12 +86,26 @@ def _bucket_key(launch: fx.Node) -> tuple:
     return (meta.get("unit"), launch.args[-1], val.dtype, launch.args[-2], launch.target)
 
 
-def _groups(gm: fx.GraphModule, match: Callable[[fx.Node], bool]) -> list[list[fx.Node]]:
-    buckets: dict[tuple, list[fx.Node]] = {}
+def _groups(gm: fx.GraphModule, match: Callable[[fx.Node], bool], stretches: bool = False) -> list[list[fx.Node]]:
+    """Each unit's collectives of ``match``, one list per bucket key, in graph order; ``stretches``: split
+    where another unit's collective comes between two members (NOTE [gradients in stretches])."""
+    buckets: dict[tuple, list[list[fx.Node]]] = {}
+    previous = None  # the unit of the last collective seen
     for node in gm.graph.nodes:
-        if match(node) and fsdp_meta(node).get("unit") is not None:
-            buckets.setdefault(_bucket_key(node), []).append(node)
-    return list(buckets.values())
+        if not match(node) or (unit := fsdp_meta(node).get("unit")) is None:
+            continue
+        runs = buckets.setdefault(_bucket_key(node), [[]])
+        if stretches and runs[-1] and previous != unit and not _flat_gradient(node):
+            runs.append([])
+        runs[-1].append(node)
+        previous = unit
+    return [run for runs in buckets.values() for run in runs]
+
+
+def _flat_gradient(launch: fx.Node) -> bool:
+    """Whether the reduce-scatter ``launch`` lands in a piece of a flat shard's gradient (one gradient
+    tensor for the unit: its pieces are reduced in one bucket, whenever they exist)."""
+    return _destination(_member_end(wait_of(launch), fsdp_meta(launch).get("kind"))[0]) is not None
 
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -365,7 +388,7 @@ def bucket_pass(gm: fx.GraphModule, *, rank_of: Callable[[str], int] | None = No
         members = [m for m in members if not _alone(m, alone_bytes)]
         if len(members) > 1:
             _merge(gm, members, gather=True, hoist=hoist, rank_of=rank_of)
-    for members in _groups(gm, is_reduce_scatter):
+    for members in _groups(gm, is_reduce_scatter, stretches=True):
         members = [m for m in members if not _alone(m, alone_bytes)]
         if len(members) > 1:
             _merge(gm, members, gather=False, hoist=hoist)

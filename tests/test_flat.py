@@ -21,6 +21,7 @@ from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import ModelConfig, Transformer
 from fsdp_compile.api.units import unit_of
+from fsdp_compile.passes.capture.flat_inputs import split_flat_inputs_pass
 from fsdp_compile.passes.lower.tiles import tiles_pass
 from fsdp_compile.passes.predicates import is_flat_reduce_grad, is_flat_unshard
 
@@ -70,7 +71,10 @@ def _sharded(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
 def test_a_unit_s_parameters_are_views_of_its_flat_shard() -> None:
     with fake_process_group(2):
         model, _ = _sharded()
-        for module in [*model.layers, model]:
+        # the root holds the blocks' units: its embedding's and head's gradients exist at the two ends of
+        # backward, reduced apart (NOTE [gradients in stretches] in passes/lower/bucket.py)
+        assert unit_of(model).flat is None and all(sp.flat is None for sp in unit_of(model).params)  # type: ignore[union-attr]
+        for module in model.layers:
             unit = unit_of(module)
             assert unit is not None and unit.flat is not None
             flat = unit.flat
@@ -95,7 +99,7 @@ def test_dynamo_takes_one_input_per_unit_and_backward_returns_each_flat_gradient
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         with observe_graphs() as seen:
             compiled(torch.randint(0, 32, (1, 8))).sum().backward()
-    assert inputs == [3]  # two blocks and the root: one flat each
+    assert inputs == [5]  # two blocks, one flat each, and the root's embedding, final norm and head
     graphs = dict(seen)
     for gm in graphs.values():
         assert not any(is_flat_unshard(n) or is_flat_reduce_grad(n) for n in gm.graph.nodes)  # all lowered
@@ -104,7 +108,8 @@ def test_dynamo_takes_one_input_per_unit_and_backward_returns_each_flat_gradient
     assert not bw.graph.find_nodes(op="call_function", target=torch.ops.aten.slice_scatter.default)
     outputs = bw.graph.find_nodes(op="output")[0].args[0]
     grads = [o for o in outputs if isinstance(o, fx.Node)]
-    assert [str(g.target) for g in grads] == ["aten.div.Tensor"] * 3
+    flats = [g for g in grads if g.meta["val"].dim() == 1 and g.meta["val"].numel() > CFG.dim]
+    assert len(flats) == 2 and [str(g.target) for g in flats] == ["aten.div.Tensor"] * 2
 
 
 def _step(compiled: torch.nn.Module, tokens: torch.Tensor) -> None:
@@ -122,7 +127,7 @@ def test_gradients_are_handed_out_accumulated_and_cleared_like_autograd_s() -> N
         for name, p, r in _pairs(model, ref):
             assert p.grad is not None, name
             torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
-        assert all(unit_of(m).flat.grad is None for m in [*model.layers, model])  # type: ignore[union-attr]
+        assert all(unit_of(m).flat.grad is None for m in model.layers)  # type: ignore[union-attr]
         model.zero_grad()
         ref.zero_grad()
         _step(compiled, tokens)
@@ -194,7 +199,7 @@ def test_module_to_lays_the_flat_shards_out_again() -> None:
         model, ref = _sharded()
         model.to(torch.float64)
         ref.to(torch.float64)
-        for module in [*model.layers, model]:
+        for module in model.layers:
             unit = unit_of(module)
             assert unit.flat is not None and unit.flat.dtype == torch.float64  # type: ignore[union-attr]
             for sp in unit.params:  # type: ignore[union-attr]
@@ -255,3 +260,46 @@ def test_flat_false_keeps_each_shard_a_graph_input_of_its_own() -> None:
         assert all(unit_of(m).flat is None for m in [*model.layers, model])  # type: ignore[union-attr]
         with pytest.raises(TypeError, match="flat must be True or False"):
             fully_shard(torch.nn.Linear(2, 2), groups=FsdpGroups.create(), flat=1)  # type: ignore[arg-type]
+
+
+def test_where_collectives_are_elided_a_flat_is_read_as_its_parameters() -> None:
+    """NOTE [elided flats]: at one rank with the collectives elided (the default) the graph takes each
+    parameter, not the flat: no flat gradient is built (no cat), and autograd gives each parameter its
+    gradient itself, accumulated, its hooks run, as on the unsharded model."""
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, ref = _sharded()
+        seen_by_hook: list[torch.Size] = []
+        model.layers[0].attn.wq.parametrizations.weight.original.register_hook(lambda g: seen_by_hook.append(g.shape))
+        compiled = torch.compile(model, backend=make_backend(inductor=False))
+        with observe_graphs() as seen:
+            for _ in range(2):
+                _step(compiled, tokens)
+                _step(ref, tokens)
+        bw = dict(seen)["backward"]
+        for target in (torch.ops.aten.cat.default, torch.ops.aten.slice_scatter.default):
+            assert not bw.graph.find_nodes(op="call_function", target=target)
+        assert seen_by_hook == [torch.Size([16, 16])] * 2
+        assert all(unit_of(m).flat.grad is None for m in model.layers)  # type: ignore[union-attr]
+        for name, p, r in _pairs(model, ref):
+            torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_splitting_a_flat_input_reads_each_piece_from_an_input_of_its_own() -> None:
+    def reads(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return flat.narrow(0, 0, 4).view(2, 2) @ x + flat.narrow(0, 4, 2).view(2)
+
+    gm = fx.symbolic_trace(reads)
+    layout = {"flat": [(0, 4, (2, 2)), (4, 2, (2,))]}
+    split = split_flat_inputs_pass(gm, pieces=layout)
+    assert [n.name for n in split.graph.find_nodes(op="placeholder")] == ["flat_piece0", "flat_piece1", "x"]
+    assert not split.graph.find_nodes(op="call_method", target="narrow")
+    flat, x = torch.randn(6), torch.randn(2, 2)
+    torch.testing.assert_close(split(flat[:4].view(2, 2), flat[4:], x), reads(flat, x))
+    assert [n.name for n in gm.graph.find_nodes(op="placeholder")] == ["flat", "x"]  # the given graph kept
+
+    def reads_whole(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # a read that is no piece
+        return flat.narrow(0, 0, 4).view(2, 2) @ x + flat.sum()
+
+    whole = fx.symbolic_trace(reads_whole)
+    assert split_flat_inputs_pass(whole, pieces=layout) is whole

@@ -31,7 +31,7 @@ before ``fully_shard`` to save that work).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from fsdp_compile.api.grads import as_shard_grad
 from fsdp_compile.api.materialize import rebind_params
 from fsdp_compile.api.units import ShardedParam, Unit, units_under
 
-__all__ = ["flat_check", "flat_member", "flatten_unit", "is_flat", "refresh_flat"]
+__all__ = ["as_pieces", "elided_flats", "flat_check", "flat_member", "flatten_unit", "is_flat", "refresh_flat"]
 
 _flats: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat tensor -> Unit
 
@@ -180,3 +180,32 @@ def _heal(sp: ShardedParam) -> None:
         piece.copy_(p.detach().reshape(-1))
         p.data = piece.view(p.shape)
 
+
+def elided_flats(example_inputs: Sequence[object]) -> dict[int, list[ShardedParam]]:
+    """(NOTE [elided flats] in ``passes/capture/flat_inputs.py``) The example inputs that are flat shards
+    of units whose every group has one rank, by index: each with its members in offset order."""
+    out: dict[int, list[ShardedParam]] = {}
+    for i, t in enumerate(example_inputs):
+        unit = _flats.get(t) if isinstance(t, Tensor) else None
+        if unit is not None and unit.groups.shard_size == 1 and unit.groups.replicate_size == 1:
+            out[i] = _members(t)
+    return out
+
+
+def _members(flat: Tensor) -> list[ShardedParam]:
+    unit = _flats[flat]
+    return sorted((sp for sp in unit.params if sp.flat is flat), key=lambda sp: sp.offset)
+
+
+def as_pieces(args: Sequence[Any], split: Collection[int],
+              wrap: Callable[[Tensor], Any] = lambda t: t) -> list[Any]:
+    """``args`` with each flat shard at an index in ``split`` replaced by its members' parameters (each
+    passed through ``wrap``), in offset order: the inputs of a graph whose flats were split (NOTE [elided
+    flats])."""
+    out: list[Any] = []
+    for i, a in enumerate(args):
+        if i in split:
+            out.extend(wrap(sp.shard) for sp in _members(a))
+        else:
+            out.append(a)
+    return out

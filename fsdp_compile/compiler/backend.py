@@ -50,11 +50,12 @@ from fsdp_compile._compat import (
     restarts_the_trace,
     select_decomp_table,
     serializable,
+    static_fake,
     structured_trace_on,
     timed,
 )
 from fsdp_compile.api import markers as _ops  # noqa: F401  (registers the marker ops)
-from fsdp_compile.api.flat_shard import flat_check, is_flat
+from fsdp_compile.api.flat_shard import as_pieces, elided_flats, flat_check, is_flat
 from fsdp_compile.api.module import OUTLINES
 from fsdp_compile.api.units import is_sharded
 from fsdp_compile.compiler import cache
@@ -76,6 +77,7 @@ from fsdp_compile.inspection.autotune import Choice
 from fsdp_compile.inspection.cost import Hardware
 from fsdp_compile.inspection.dump import dump, report
 from fsdp_compile.inspection.logs import log_schedule, schedule_logged
+from fsdp_compile.passes.capture.flat_inputs import split_flat_inputs_pass
 from fsdp_compile.passes.schedule.streams import check_streams
 from fsdp_compile.safety import agreement, lockstep
 
@@ -219,8 +221,10 @@ def _make_backend(options: BackendOptions) -> Any:
         with no_full_collections():
             return _backend(gm, example_inputs)
 
-    def _backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        _refuse_unmanaged_params(gm, example_inputs)
+    def _backend(gm: fx.GraphModule, given: Sequence[Any]) -> Any:
+        _refuse_unmanaged_params(gm, given)
+        gm, split = _split_elided_flats(gm, given, options)
+        example_inputs = as_pieces(given, split)
         with timed("fsdp.outline"):
             gm = run_stage(gm, CAPTURE, Context(options, example_inputs))
         gm = inductor_pre_grad_passes(gm, example_inputs)
@@ -229,8 +233,10 @@ def _make_backend(options: BackendOptions) -> Any:
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
+        if split:  # (NOTE [elided flats]) the parameters added, as fakes with static sizes
+            example_inputs = as_pieces(given, split, static_fake)
         compiled = _aot_or_inline(aot_cached if cached else aot_uncached, gm, example_inputs, options)
-        compiled = _checking_flats(compiled, flat_check(example_inputs))  # NOTE [flat shards] in flat_shard.py
+        compiled = _checking_flats(compiled, flat_check(given), split)  # NOTE [flat shards] in flat_shard.py
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 
     setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]
@@ -254,15 +260,32 @@ def _aot_or_inline(aot: Callable[..., Any], gm: fx.GraphModule, example_inputs: 
     return aot(run_stage(gm, FALLBACK, Context(options)), example_inputs)
 
 
-def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | None) -> Callable[..., Any]:
+def _split_elided_flats(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                       options: BackendOptions) -> tuple[fx.GraphModule, frozenset[int]]:
+    """NOTE [elided flats] in ``passes/capture/flat_inputs.py``: where the collectives of one-rank units
+    are elided, their flat shards are read as their parameters; the indices of the inputs split."""
+    flats = elided_flats(example_inputs) if options.elide_single_rank else {}
+    if not flats:
+        return gm, frozenset()
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    pieces = {names[i]: [(sp.offset, sp.shard.numel(), tuple(sp.shard.shape)) for sp in members]
+              for i, members in flats.items()}
+    gm = split_flat_inputs_pass(gm, pieces=pieces)
+    left = {n.name for n in gm.graph.find_nodes(op="placeholder")}
+    return gm, frozenset(i for i in flats if names[i] not in left)
+
+
+def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | None,
+                    split: frozenset[int] = frozenset()) -> Callable[..., Any]:
     """``compiled``, checking before each call that the parameters are still views of the flat shards it
-    reads (NOTE [flat shards] in ``flat_shard.py``: ``p.data = t`` copied back in, or an error)."""
+    reads (NOTE [flat shards] in ``flat_shard.py``: ``p.data = t`` copied back in, or an error), and
+    called with the parameters of the flats at ``split`` in their place (NOTE [elided flats])."""
     if check is None:
         return compiled
 
     def run(*args: Any) -> Any:
         check()
-        return compiled(*args)
+        return compiled(*as_pieces(args, split)) if split else compiled(*args)
 
     functools.update_wrapper(run, compiled)
     return run

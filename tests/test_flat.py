@@ -303,3 +303,21 @@ def test_splitting_a_flat_input_reads_each_piece_from_an_input_of_its_own() -> N
 
     whole = fx.symbolic_trace(reads_whole)
     assert split_flat_inputs_pass(whole, pieces=layout) is whole
+
+
+def test_where_collectives_are_elided_flat_and_apart_units_compile_the_same_graphs() -> None:
+    """NOTE [elided flats]: Inductor gets, op for op, the graphs of ``fully_shard(flat=False)``."""
+    tokens = torch.randint(0, 32, (1, 8))
+
+    def ops(flat: bool) -> dict[str, list[str]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        groups = FsdpGroups.create()
+        _GROUPS.append(groups)
+        model = shard_blocks_then_root(Transformer(CFG), groups, flat=flat)
+        with observe_graphs() as seen:
+            _step(torch.compile(model, backend=make_backend(inductor=False)), tokens)
+        return {kind: [str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for kind, gm in seen}
+
+    with gloo_world_of_one():
+        assert ops(flat=True) == ops(flat=False)

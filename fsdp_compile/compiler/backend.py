@@ -65,6 +65,7 @@ from fsdp_compile.compiler.pipeline import (
     CAPTURE,
     FALLBACK,
     GROUPING,
+    INPUTS,
     LOWERING,
     SCHEDULING,
     BackendOptions,
@@ -77,7 +78,6 @@ from fsdp_compile.inspection.autotune import Choice
 from fsdp_compile.inspection.cost import Hardware
 from fsdp_compile.inspection.dump import dump, report
 from fsdp_compile.inspection.logs import log_schedule, schedule_logged
-from fsdp_compile.passes.capture.flat_inputs import split_flat_inputs_pass
 from fsdp_compile.passes.schedule.streams import check_streams
 from fsdp_compile.safety import agreement, lockstep
 
@@ -270,7 +270,7 @@ def _split_elided_flats(gm: fx.GraphModule, example_inputs: Sequence[Any],
     names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     pieces = {names[i]: [(sp.offset, sp.shard.numel(), tuple(sp.shard.shape)) for sp in members]
               for i, members in flats.items()}
-    gm = split_flat_inputs_pass(gm, pieces=pieces)
+    gm = run_stage(gm, INPUTS, Context(options, pieces=pieces))
     left = {n.name for n in gm.graph.find_nodes(op="placeholder")}
     return gm, frozenset(i for i in flats if names[i] not in left)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import fx
@@ -28,6 +28,7 @@ from fsdp_compile.compiler.outlined_markers import name_markers, worth_a_call
 from fsdp_compile.inspection.autotune import Choice
 from fsdp_compile.inspection.cost import Hardware, detect_hardware, load_hardware
 from fsdp_compile.passes import GraphPass, NamedPass, run_passes
+from fsdp_compile.passes.capture.flat_inputs import Piece, split_flat_inputs_pass
 from fsdp_compile.passes.capture.group_markers import group_markers_pass
 from fsdp_compile.passes.capture.hoist import hoist_unshards_pass
 from fsdp_compile.passes.capture.inline import inline_nested_pass, inline_subgraphs_pass
@@ -153,11 +154,12 @@ class BackendOptions:
 @dataclass(frozen=True)
 class Context:
     """What one compile's passes are bound to: the options, Dynamo's example inputs (capture), the
-    settings chosen for ``"auto"`` (scheduling)."""
+    flat inputs to split (NOTE [elided flats]), the settings chosen for ``"auto"`` (scheduling)."""
 
     options: BackendOptions
     example_inputs: Sequence[Any] = ()
     choice: Choice | None = None
+    pieces: Mapping[str, Sequence[Piece]] = field(default_factory=dict)
 
     def chosen(self) -> Choice:
         assert self.choice is not None, "the scheduling stage runs once the settings are chosen"
@@ -171,6 +173,9 @@ class Context:
 Stage = tuple[tuple[str, Callable[[Context], GraphPass]], ...]
 _partial = functools.partial
 
+INPUTS: Stage = (
+    ("split_flat_inputs", lambda c: _partial(split_flat_inputs_pass, pieces=c.pieces)),  # NOTE [elided flats]
+)
 CAPTURE: Stage = (
     ("outline", lambda c: _partial(outline_blocks_pass, is_block=is_outline_candidate)),  # NOTE [outlining by proof]
     ("unroll", lambda c: unroll_scans_pass),  # NOTE [unrolled stacks]
@@ -203,7 +208,7 @@ SCHEDULING: Stage = (
 FALLBACK: Stage = (
     ("inline_all", lambda c: inline_subgraphs_pass),  # NOTE [outlining by proof]
 )
-STAGES = (CAPTURE, GROUPING, LOWERING, SCHEDULING, FALLBACK)
+STAGES = (INPUTS, CAPTURE, GROUPING, LOWERING, SCHEDULING, FALLBACK)
 PASS_NAMES = tuple(name for stage in STAGES for name, _ in stage)
 # lower_grouped does what these do, in one step (NOTE [grouped lowering]): with one of them off, each runs apart.
 _GROUPED_STEPS = {"lower_unshard", "lower_reduce_grad", "bucket", "tiles"}

@@ -263,7 +263,7 @@ def test_flat_false_keeps_each_shard_a_graph_input_of_its_own() -> None:
 
 
 def test_where_collectives_are_elided_a_flat_is_read_as_its_parameters() -> None:
-    """NOTE [elided flats]: at one rank with the collectives elided (the default) the graph takes each
+    """(NOTE [elided flats]) at one rank with the collectives elided (the default) the graph takes each
     parameter, not the flat: no flat gradient is built (no cat), and autograd gives each parameter its
     gradient itself, accumulated, its hooks run, as on the unsharded model."""
     tokens = torch.randint(0, 32, (2, 8))
@@ -280,6 +280,12 @@ def test_where_collectives_are_elided_a_flat_is_read_as_its_parameters() -> None
         for target in (torch.ops.aten.cat.default, torch.ops.aten.slice_scatter.default):
             assert not bw.graph.find_nodes(op="call_function", target=target)
         assert seen_by_hook == [torch.Size([16, 16])] * 2
+        # switched off by name, the flats stay whole: their gradients are built from the pieces'
+        model_whole, _ = _sharded()
+        whole = torch.compile(model_whole, backend=make_backend(inductor=False, disabled_passes=["split_flat_inputs"]))
+        with observe_graphs() as seen_whole:
+            _step(whole, tokens)
+        assert dict(seen_whole)["backward"].graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)
         assert all(unit_of(m).flat.grad is None for m in model.layers)  # type: ignore[union-attr]
         for name, p, r in _pairs(model, ref):
             torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
@@ -306,7 +312,7 @@ def test_splitting_a_flat_input_reads_each_piece_from_an_input_of_its_own() -> N
 
 
 def test_where_collectives_are_elided_flat_and_apart_units_compile_the_same_graphs() -> None:
-    """NOTE [elided flats]: Inductor gets, op for op, the graphs of ``fully_shard(flat=False)``."""
+    """(NOTE [elided flats]) Inductor gets, op for op, the graphs of ``fully_shard(flat=False)``."""
     tokens = torch.randint(0, 32, (1, 8))
 
     def ops(flat: bool) -> dict[str, list[str]]:

@@ -98,7 +98,7 @@ class InductorOrderTest(FakeWorldTestCase):
         self.assertEqual(emitted, fx)
 
     def test_a_root_reduced_in_two_stretches_keeps_its_order(self) -> None:
-        # NOTE [gradients in stretches]: the root's head is reduce-scattered first, its embedding last.
+        # (NOTE [gradients in stretches]) the root's head is reduce-scattered first, its embedding last.
         fx, emitted = self.compiled_orders(EmbeddingAndHead(), example=torch.randint(0, 16, (4,)))
         self.assertEqual(fx[1].count("reduce_scatter"), 4)  # two blocks, and the root twice
         self.assertEqual(emitted, fx)

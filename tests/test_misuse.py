@@ -90,9 +90,11 @@ def test_a_failed_peer_is_named_in_time(victim: int, how: str) -> None:
 
 def test_a_rank_lost_to_an_abort_says_how_it_ended(tmp_path: Any) -> None:
     """A rank that died of glibc's abort on a corrupt heap: the failure quotes glibc's message and what
-    followed it in the rank's stderr: faulthandler's Python stacks and torch's native ones."""
+    followed it in the rank's stderr: faulthandler's Python stacks (and, usually, torch's native ones:
+    torch's printer allocates inside the signal handler and, on a loaded machine, was seen to end in
+    glibc's "double free or corruption" instead; 1 run in 9 here, so they are not required)."""
     with pytest.raises(RankFailure, match=r"(?s)rank 0 died of SIGABRT.*its stderr ended with:\n"
-                       r"malloc\(\): unaligned tcache.*Fatal Python error: Aborted.*SIGABRT\(6\), PID"):
+                       r"malloc\(\): unaligned tcache.*Fatal Python error: Aborted.*line \d+ in crashes_once"):
         run_ranks(crashes_once, 2, str(tmp_path / "first"), "heap", timeout=120)
 
 

@@ -386,7 +386,7 @@ class RootAtBothEndsTest(FakeWorldTestCase):
         model = shard_blocks_then_root(EmbeddingAndHead(), groups, mp_policy=mp)
         graphs = capture(model, torch.randint(0, 16, (4,)))
         bwd = listing(graphs["backward"], group_labels(groups))
-        # NOTE [gradients in stretches]: the root (unit 2) has two reduce-scatters, each cast to fp32: its
+        # (NOTE [gradients in stretches]) the root (unit 2) has two reduce-scatters, each cast to fp32: its
         # head's, right after the head's weight gradient at the start of backward (it runs under the blocks'
         # backward and is waited before unit 1's pack), and its embedding's at the end.
         self.assertExpectedInline(bwd, """\

@@ -327,3 +327,27 @@ def test_where_collectives_are_elided_flat_and_apart_units_compile_the_same_grap
 
     with gloo_world_of_one():
         assert ops(flat=True) == ops(flat=False)
+
+
+@pytest.mark.parametrize("frozen_at_compile", [False, True])
+def test_where_collectives_are_elided_freezing_and_unfreezing_after_compiling_train_as_eager(
+        frozen_at_compile: bool) -> None:
+    """(NOTE [elided flats]) A parameter frozen after the first compiled step gets no gradient; one frozen
+    when the graph was compiled (its flat then stays whole) gets its gradient once unfrozen."""
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, ref = _sharded()
+        compiled = torch.compile(model, backend=make_backend(inductor=False))
+        ours, theirs = model.layers[0].attn.wq.parametrizations.weight.original, ref.layers[0].attn.wq.weight
+        for frozen in ([True, False] if frozen_at_compile else [False, True, False]):
+            ours.requires_grad_(not frozen)
+            theirs.requires_grad_(not frozen)
+            _step(compiled, tokens)
+            _step(ref, tokens)
+            for name, p, r in _pairs(model, ref):
+                if r.grad is None:
+                    assert p.grad is None, name
+                else:
+                    torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+            model.zero_grad()
+            ref.zero_grad()

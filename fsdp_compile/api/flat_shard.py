@@ -183,12 +183,16 @@ def _heal(sp: ShardedParam) -> None:
 
 def elided_flats(example_inputs: Sequence[object]) -> dict[int, list[ShardedParam]]:
     """(NOTE [elided flats] in ``passes/capture/flat_inputs.py``) The example inputs that are flat shards
-    of units whose every group has one rank, by index: each with its members in offset order."""
+    of units whose every group has one rank, by index: each with its members in offset order. A flat with
+    a member frozen now stays whole: its graph would give that member no gradient, and unfreezing it
+    changes nothing Dynamo guards (the flat), so the graph would not be compiled again."""
     out: dict[int, list[ShardedParam]] = {}
     for i, t in enumerate(example_inputs):
         unit = _flats.get(t) if isinstance(t, Tensor) else None
         if unit is not None and unit.groups.shard_size == 1 and unit.groups.replicate_size == 1:
-            out[i] = _members(t)
+            members = _members(t)
+            if all(sp.shard.requires_grad for sp in members):
+                out[i] = members
     return out
 
 

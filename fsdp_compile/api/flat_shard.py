@@ -10,7 +10,9 @@ user reads, its storage now a view of the flat. Compiled code reads parameter ``
 per unit; the backend gathers the flat in one copy and hands the reduce-scatter's output on as the
 flat's gradient (``passes/capture/group_markers.py``). After each backward, a hook on the flat hands each parameter its
 piece of that gradient as its ``.grad`` (a view; added to a ``.grad`` already there, as autograd
-accumulates), for the parameters that require grad; the flat's own ``.grad`` is then cleared.
+accumulates), for the parameters that require grad; the flat's own ``.grad`` is then cleared. Where a
+unit's collectives are elided (one rank), compiled code takes the parameters themselves instead and
+autograd fills their ``.grad`` (NOTE [elided flats] in ``passes/capture/flat_inputs.py``).
 
 What keeps the two in step: the optimizer and ``load_state_dict`` write parameters in place, which
 writes the flat. ``module.to(...)``, ``.half()``, ``to_empty`` (``nn.Module._apply``) replace each

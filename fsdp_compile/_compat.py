@@ -34,7 +34,7 @@ __all__ = [
     "lowering_outlined_bodies", "make_boxed_func", "min_cut_rematerialization_partition", "OpOverload",
     "print_native_stacks_on_fatal_signal", "queue_end_of_backward", "region_schemas_once",
     "register_collective_work", "register_foreach_type", "resolve_group", "restarts_the_trace", "scan",
-    "scan_example_values_without_autograd", "select_decomp_table", "serial_gloo", "serializable", "static_fake",
+    "scan_example_values_without_autograd", "select_decomp_table", "serial_gloo", "serializable",
     "store_connection", "structured_trace_on", "timed", "trace_structured_artifact", "traced_for",
 ]
 
@@ -443,11 +443,3 @@ def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
     """``fn`` applied to every leaf of ``tree`` that is a ``kind`` (torch's pytree), the rest kept."""
     return torch.utils._pytree.tree_map_only(kind, fn, tree)
 
-
-def static_fake(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a fake tensor of the compile in progress, its sizes static: an input the backend adds
-    to Dynamo's graph (a real tensor with no Dynamo source would get symbolic sizes from AOTAutograd)."""
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode()
-    return tensor if mode is None else mode.from_tensor(tensor, static_shapes=True)

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 __all__ = ["FakeTensor", "FakeTensorMode", "OpOverloadPacket", "detect_fake_mode", "mark_sourceless_input",
-           "copy_dynamo_graph",
+           "copy_dynamo_graph", "static_fake",
            "tree_flatten", "tree_map_only", "unset_fake_temporarily"]
 
 
@@ -39,3 +39,10 @@ def copy_dynamo_graph(gm: Any) -> Any:
     if hasattr(gm, "_param_name_to_source"):
         copy._param_name_to_source = gm._param_name_to_source
     return copy
+
+
+def static_fake(tensor: Any) -> Any:
+    """``tensor`` as a fake tensor of the compile in progress, its sizes static: an input added to Dynamo's
+    graph (a real tensor with no Dynamo source would get symbolic sizes from AOTAutograd)."""
+    mode = detect_fake_mode()
+    return tensor if mode is None else mode.from_tensor(tensor, static_shapes=True)

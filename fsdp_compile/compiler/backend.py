@@ -50,7 +50,6 @@ from fsdp_compile._compat import (
     restarts_the_trace,
     select_decomp_table,
     serializable,
-    static_fake,
     structured_trace_on,
     timed,
 )
@@ -78,6 +77,7 @@ from fsdp_compile.inspection.autotune import Choice
 from fsdp_compile.inspection.cost import Hardware
 from fsdp_compile.inspection.dump import dump, report
 from fsdp_compile.inspection.logs import log_schedule, schedule_logged
+from fsdp_compile.passes._compat import static_fake
 from fsdp_compile.passes.schedule.streams import check_streams
 from fsdp_compile.safety import agreement, lockstep
 

@@ -8,8 +8,10 @@ compute waited for it, or had nothing to do). The profiled steps are written as 
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -163,13 +165,15 @@ def _profile(step: Callable[[], None], n: int, report: StepReport, trace: str | 
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    path = Path(trace) if trace is not None else Path(f"/tmp/emulated-trace-{time.time_ns()}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
-    events = json.loads(path.read_text()).get("traceEvents", [])
-    comm, busy = timeline_of_trace(events)
+    raw = Path(tempfile.gettempdir()) / f"emulated-trace-{time.time_ns()}.json"
+    prof.export_chrome_trace(str(raw))
+    text = raw.read_text()
+    raw.unlink()
+    comm, busy = timeline_of_trace(json.loads(text).get("traceEvents", []))
     report.exposed_ms = {k: exposed_seconds(v, busy) * 1e3 / n for k, v in comm.items()}
     report.collective_ms = {k: sum(e - s for s, e in _union(v)) * 1e3 / n for k, v in comm.items()}
-    report.trace = str(path) if trace is not None else None
-    if trace is None:
-        path.unlink()
+    if trace is not None:  # gzipped: a large model's trace is large JSON, and Perfetto opens .json.gz as it is
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(trace, "wt") as f:
+            f.write(text)
+        report.trace = str(trace)

@@ -174,7 +174,7 @@ def run_variant(ns: argparse.Namespace, variant: str, build: Builder = build_ste
     out = Path(ns.out)
     report = measure_steps(step, label=variant, steps=ns.steps, warmup=ns.warmup,
                            flops_per_step=train_flops(cfg, ns.tokens), peak_flops=hw.peak_flops_bf16,
-                           trace=out / f"trace-{variant}-w{ns.world}.json")
+                           trace=out / f"trace-{variant}-w{ns.world}.json.gz")
     dist.destroy_process_group()
     return report
 

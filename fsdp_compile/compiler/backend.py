@@ -224,18 +224,18 @@ def _make_backend(options: BackendOptions) -> Any:
     def _backend(gm: fx.GraphModule, given: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, given)
         gm, split = _split_elided_flats(gm, given, options)
-        example_inputs = as_pieces(given, split)
+        inputs = as_pieces(given, split)  # the real tensors: capture names markers after the shards they read
         with timed("fsdp.outline"):
-            gm = run_stage(gm, CAPTURE, Context(options, example_inputs))
-        gm = inductor_pre_grad_passes(gm, example_inputs)
+            gm = run_stage(gm, CAPTURE, Context(options, inputs))
+        gm = inductor_pre_grad_passes(gm, inputs)
         with timed("fsdp.outline"):
             gm = run_stage(gm, GROUPING, Context(options))
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
-        if split:  # (NOTE [elided flats]) the parameters added, as fakes with static sizes
-            example_inputs = as_pieces(given, split, static_fake)
-        compiled = _aot_or_inline(aot_cached if cached else aot_uncached, gm, example_inputs, options)
+        # (NOTE [elided flats]) AOTAutograd gets the parameters added as fakes with static sizes
+        traced = as_pieces(given, split, static_fake) if split else inputs
+        compiled = _aot_or_inline(aot_cached if cached else aot_uncached, gm, traced, options)
         compiled = _checking_flats(compiled, flat_check(given), split)  # NOTE [flat shards] in flat_shard.py
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 

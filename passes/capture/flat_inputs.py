@@ -5,8 +5,9 @@ NOTE [elided flats]: compiled code reads a unit's parameter ``i`` as a piece of 
 ``fsdp_compile/api/flat_shard.py``), so that the all-gather packs the flat in one copy and the
 reduce-scatter's output is the flat's gradient. Where the unit's collectives are elided (world size 1),
 nothing packs or scatters, and the flat only costs: autograd builds the flat's gradient from the pieces'
-gradients, a copy of every gradient per step (docs/performance.md measures it). This pass replaces such a flat input by one input per piece,
-in offset order, and each ``view(narrow(flat))`` by its piece's input. The backend then calls the graph
+gradients, a copy of every gradient per step (docs/performance.md measures it). This pass replaces such
+a flat input by one input per piece, in offset order, and each ``view(narrow(flat))`` by its piece's
+input. The backend then calls the graph
 with the unit's parameters in the flat's place (each is that piece, a view of the flat), and autograd
 accumulates each parameter's gradient into its ``.grad`` directly, as for a module that is not sharded.
 

@@ -41,7 +41,9 @@ again; what alone would cost is a launch per parameter, host time that a backwar
 cannot spare (the GPU idles between the launches: docs/performance.md).
 
 Only collectives of one group, one dtype and one world size share a bucket, and members are packed in
-graph order, which is the same on every rank.
+graph order, which is the same on every rank. The bucket is placed where its first member was (an
+all-gather) or where its last member was (a reduce-scatter); ``order.reorder`` then makes the graph
+legal again, moving each member's consumers after the bucket's wait.
 
 NOTE [gradients in stretches]: a unit's gradients usually exist together, in its own stretch of
 backward. A unit that holds others (the root) does not: its output head's gradient exists at the start of
@@ -50,9 +52,7 @@ are split where another unit's reduce-scatter comes between two of them in graph
 stretch is a bucket of its own, launched as soon as that stretch exists (``schedule/reduce_scatter.py``):
 the head's bucket runs under the blocks' backward instead of waiting, full size and cast to the reduce
 dtype, for the embedding. Pieces of one flat shard's gradient are never split (that gradient is one
-tensor); ``fully_shard`` lays out no flat for a unit that holds others (``flat_shard.py``). The bucket is placed where its first member was (an
-all-gather) or where its last member was (a reduce-scatter); ``order.reorder`` then makes the graph
-legal again, moving each member's consumers after the bucket's wait.
+tensor); ``fully_shard`` lays out no flat for a unit that holds others (``flat_shard.py``).
 """
 
 from __future__ import annotations

@@ -65,6 +65,16 @@ class TestPrefetch(TestCase):
         gm = valid(prefetch_pass(bucketed(backward_graph(gathers=True)), depth=1))
         self.assertEqual(sched(gm), "AG2 AG1 wAG2 RS2 wRS2 AG0 wAG1 RS1 wRS1 wAG0 RS0 wRS0")
 
+    def test_first_group_launches_before_the_graph_s_first_compute(self) -> None:
+        # Each unit's own gradients come before it propagates through its gathered weight: unit 2's
+        # (mm sum) need no all-gather, so at depth 1 its all-gather runs under them; at depth 0 it waits.
+        graph = lambda: bucketed(backward_graph(gathers=True, grads_first=True))  # noqa: E731
+        self.assertEqual(sched(valid(prefetch_pass(graph(), depth=0))),
+                         "RS2 wRS2 AG2 wAG2 RS1 wRS1 AG1 wAG1 RS0 wRS0 AG0 wAG0")
+        gm = valid(prefetch_pass(graph(), depth=1))
+        self.assertEqual(sched(gm), "AG2 RS2 wRS2 AG1 wAG2 RS1 wRS1 AG0 wAG1 RS0 wRS0 wAG0")
+        self.assertEqual(show(gm).splitlines()[2], "2  compute         mm sum  (4 nodes)")
+
     def test_byte_cap_below_two_buckets_means_depth_0(self) -> None:
         bucket = WIDTH * (WIDTH + 1) * 4  # one unit's gathered w and b, fp32
         capped = valid(prefetch_pass(bucketed(forward_graph()), depth=2, max_bytes=2 * bucket - 1))

@@ -38,13 +38,13 @@ class ScheduleTest(ScheduleCase):
 10 unpack          unit 2  ag
 11 compute         addmm relu le  (4 nodes)""")
         # Backward: the gathers again (reshard after forward; unit 0's weight is not needed: its input
-        # needs no grad), unit 1 prefetched under unit 2's compute. Each reduce-scatter is issued right
+        # needs no grad), unit 2's before the graph's first compute, unit 1 prefetched under unit 2's compute. Each reduce-scatter is issued right
         # after the unit's last gradient, on its own stream; with the default cap (one unit in flight:
         # NOTE [one unit in flight]) each is waited just before the next unit's pack.
         self.assertExpectedInline(bwd, """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag
-2  all_gather      unit 2  ag     all_gather      256 B
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      256 B
+2  compute         where  (2 nodes)
 3  pack            unit 1  ag
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
@@ -73,9 +73,9 @@ class ScheduleTest(ScheduleCase):
         # The seed's baseline: one communicator ("comm" stream). Unit 2's reduce-scatter is held until
         # unit 1's backward begins (after unit 1's all-gather was waited); the others go to the end.
         self.assertExpectedInline(bwd, """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag+rs
-2  all_gather      unit 2  ag+rs  comm            256 B
+0  pack            unit 2  ag+rs
+1  all_gather      unit 2  ag+rs  comm            256 B
+2  compute         where  (2 nodes)
 3  pack            unit 1  ag+rs
 4  all_gather      unit 1  ag+rs  comm            256 B
 5  wait            unit 2  ag+rs  comm
@@ -102,9 +102,9 @@ class ScheduleTest(ScheduleCase):
         # The other convention: the all-gathers get the dedicated group (still "ag"), reduce-scatters
         # stay on the base group ("rs"); the schedule is the same as the default.
         self.assertExpectedInline(bwd, """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag
-2  all_gather      unit 2  ag     all_gather      256 B
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      256 B
+2  compute         where  (2 nodes)
 3  pack            unit 1  ag
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
@@ -188,11 +188,11 @@ class ScheduleTest(ScheduleCase):
 10 unpack          unit 2  ag
 11 compute         addmm relu le  (4 nodes)""")
         self.assertExpectedInline(bwd, """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag
-2  all_gather      unit 2  ag     all_gather      256 B
-3  pack            unit 1  ag
-4  all_gather      unit 1  ag     all_gather      256 B
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      256 B
+2  pack            unit 1  ag
+3  all_gather      unit 1  ag     all_gather      256 B
+4  compute         where  (2 nodes)
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
 7  compute         mm sum  (7 nodes)
@@ -236,9 +236,9 @@ class ScheduleTest(ScheduleCase):
 13 unpack          unit 2  ag
 14 compute         addmm relu le  (4 nodes)""")
         self.assertExpectedInline(bwd, """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag
-2  all_gather      unit 2  ag     all_gather      128 B
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      128 B
+2  compute         where  (2 nodes)
 3  pack            unit 1  ag
 4  all_gather      unit 1  ag     all_gather      128 B
 5  wait            unit 2  ag     all_gather
@@ -288,9 +288,9 @@ class ScheduleTest(ScheduleCase):
         # set_requires_gradient_sync(False): the forward is unchanged, the backward has no
         # reduce-scatter: full gradients go to local accumulation leaves (reduced once, later).
         self.assertExpectedInline(bwd, """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag
-2  all_gather      unit 2  ag     all_gather      256 B
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      256 B
+2  compute         where  (2 nodes)
 3  pack            unit 1  ag
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
@@ -313,9 +313,9 @@ class HsdpScheduleTest(FakeWorldTestCase):
         # followed by one bucketed all-reduce across replicas ("rep"), launched as soon as the
         # reduce-scatter's wait (pulled in before the next unit's launch); their waits sink to the end.
         self.assertExpectedInline(listing(graphs["backward"], group_labels(groups)), """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag
-2  all_gather      unit 2  ag     all_gather      256 B
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      256 B
+2  compute         where  (2 nodes)
 3  pack            unit 1  ag
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
@@ -390,11 +390,11 @@ class RootAtBothEndsTest(FakeWorldTestCase):
         # head's, right after the head's weight gradient at the start of backward (it runs under the blocks'
         # backward and is waited before unit 1's pack), and its embedding's at the end.
         self.assertExpectedInline(bwd, """\
-0  compute         mm  (2 nodes)
-1  pack            unit 2  rs
-2  reduce_scatter  unit 2  rs     reduce_scatter  512 B
-3  pack            unit 2  ag
-4  all_gather      unit 2  ag     all_gather      256 B
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      256 B
+2  compute         mm  (2 nodes)
+3  pack            unit 2  rs
+4  reduce_scatter  unit 2  rs     reduce_scatter  512 B
 5  pack            unit 1  ag
 6  all_gather      unit 1  ag     all_gather      128 B
 7  wait            unit 2  ag     all_gather

@@ -13,9 +13,9 @@ class CapScheduleTest(ScheduleCase):
         fwd, bwd = self.schedule(reduce_scatter_bytes=300)
         # A cap of 300 B holds one 288 B bucket: each reduce-scatter is waited before the next launch.
         self.assertExpectedInline(bwd, """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag
-2  all_gather      unit 2  ag     all_gather      256 B
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      256 B
+2  compute         where  (2 nodes)
 3  pack            unit 1  ag
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
@@ -78,9 +78,9 @@ class CapScheduleTest(ScheduleCase):
 28 unpack          unit 2  ag
 29 compute         addmm relu le  (3 nodes)""")
         self.assertExpectedInline(bwd, """\
-0  compute         where  (2 nodes)
-1  pack            unit 2  ag
-2  all_gather      unit 2  ag     all_gather      256 B
+0  pack            unit 2  ag
+1  all_gather      unit 2  ag     all_gather      256 B
+2  compute         where  (2 nodes)
 3  pack            unit 1  ag
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather

@@ -9,6 +9,11 @@ holding the embedding and the output head) is gathered in two groups, each as la
     before:  [AG0 wait0] use0 ... [AG1 wait1] use1 ... [AG2 wait2] use2
     depth 1: AG0 AG1 wait0 use0 ... AG2 wait1 use1 ... wait2 use2
 
+The first ``depth`` groups have no group that far ahead of them: they launch before the graph's first
+compute, which they then run under. A backward's first group is the one this matters for: its graph
+begins with work that reads no gathered parameter (an output head's weight gradient is the incoming
+gradient times saved activations), as long as the all-gather that the rest of it waits for.
+
 ``max_bytes`` caps the bytes gathered but not yet used (all-gather outputs issued whose first use has
 not come): a unit that would pass it is issued later (smaller depth for that unit), never earlier
 than depth 0. A single bucket larger than the cap still runs, at depth 0. Launches keep the order of
@@ -44,11 +49,14 @@ def prefetch_pass(gm: fx.GraphModule, *, depth: int = 1, max_bytes: int | None =
     last_target = -1.0
     k = 0
     for i, group in enumerate(order):
+        cap = max_bytes if max_bytes is not None else float("inf")
         d = min(depth, i)
-        while d > 0 and _in_flight(order, i, d) > (max_bytes if max_bytes is not None else float("inf")):
+        while d > 0 and _in_flight(order, i, d) > cap:
             d -= 1
-        # Before the compute of the group d places earlier; never before an earlier group's launch.
-        target = max(first_use[id(order[i - d][0])], last_target)
+        if i < depth and d == i and _in_flight(order, i, i) <= cap:
+            target = -1.0  # no group `depth` ahead of it: before the graph's first compute
+        else:  # before the compute of the group d places earlier; never before an earlier group's launch
+            target = max(first_use[id(order[i - d][0])], last_target)
         last_target = target
         for r in group:
             # Launches keep first-use order within (target - 0.5, target - 0.4), however many regions.

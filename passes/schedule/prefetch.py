@@ -46,17 +46,15 @@ def prefetch_pass(gm: fx.GraphModule, *, depth: int = 1, max_bytes: int | None =
         else:
             order.append([r])
     keys: dict[fx.Node, float] = {}
+    cap = max_bytes if max_bytes is not None else float("inf")
     last_target = -1.0
     k = 0
     for i, group in enumerate(order):
-        cap = max_bytes if max_bytes is not None else float("inf")
-        d = min(depth, i)
-        while d > 0 and _in_flight(order, i, d) > cap:
+        d = min(depth, i + 1)  # d = i + 1: ahead of every group, before the graph's first compute
+        while d > 0 and _in_flight(order, i, min(d, i)) > cap:
             d -= 1
-        if i < depth and d == i and _in_flight(order, i, i) <= cap:
-            target = -1.0  # no group `depth` ahead of it: before the graph's first compute
-        else:  # before the compute of the group d places earlier; never before an earlier group's launch
-            target = max(first_use[id(order[i - d][0])], last_target)
+        # Before the compute of the group d places earlier; never before an earlier group's launch.
+        target = -1.0 if d > i else max(first_use[id(order[i - d][0])], last_target)
         last_target = target
         for r in group:
             # Launches keep first-use order within (target - 0.5, target - 0.4), however many regions.

@@ -6,8 +6,11 @@ The lowering and bucketing passes tag every node they insert with ``meta["fsdp"]
     prologue (cast, flatten, pad, cat) -> launch -> wait -> epilogue (split, copy-out, narrow, div, view)
 
 Scheduling passes move regions as wholes: the prologue and launch together, the wait and epilogue
-together. ``inputs`` are the untagged nodes the prologue reads (shards, or the gradients computed in
-backward); ``users`` are the untagged nodes that read the epilogue.
+together. The prologue also holds the views (``view``, ``permute``, ``t``...) that only it reads: they
+compute nothing, and a gradient's collective is ready when the gradient is computed, not where the
+graph put its transpose (AOTAutograd may emit a weight gradient's ``t()`` after later compute).
+``inputs`` are the other nodes the prologue reads (shards, or the gradients computed in backward);
+``users`` are the untagged nodes that read the epilogue.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import fx
 
 from .predicates import collective_kind, fsdp_meta, is_collective, tensor_bytes, wait_of
@@ -76,11 +80,31 @@ def _tagged_closure(start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable
     return found
 
 
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default,
+          torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.alias.default,
+          torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim}
+
+
+def _views_only_read_by(nodes: set[fx.Node]) -> set[fx.Node]:
+    """The chains of untagged views, of one input each, whose every user is in ``nodes`` or the chain."""
+    found: set[fx.Node] = set()
+    stack = [i for n in nodes for i in n.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if (n in found or n in nodes or n.op != "call_function" or n.target not in _VIEWS or n.meta.get("fsdp", {}).get("kind")
+                or len(n.all_input_nodes) != 1 or any(u not in nodes and u not in found for u in n.users)):
+            continue
+        found.add(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
 def _region(launch: fx.Node, index: dict[fx.Node, int]) -> Region:
     meta = fsdp_meta(launch)
     kind, unit = meta.get("kind"), meta.get("unit")
     wait = wait_of(launch)
     prologue = _tagged_closure(launch.all_input_nodes, lambda n: n.all_input_nodes, kind, unit)
+    prologue |= _views_only_read_by(prologue | {launch})
     epilogue = _tagged_closure(wait.users, lambda n: n.users, kind, unit)
     inside = prologue | epilogue | {launch, wait}
     inputs = {i for n in [*prologue, launch] for i in n.all_input_nodes if i not in inside}

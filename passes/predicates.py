@@ -25,6 +25,7 @@ __all__ = [
     "is_all_gather",
     "is_reduce_scatter",
     "is_all_reduce",
+    "gathers_needed",
     "is_collective",
     "collective_kind",
     "op_name",
@@ -254,3 +255,29 @@ def _is(node: fx.Node, method: str, targets: set) -> bool:
         return node.target == method
     return node.op == "call_function" and node.target in targets
 
+
+def gathers_needed(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Each node's all-gathers, as a bit set (bit ``i``: the ``i``-th all-gather wait found), that it
+    needs directly or through its inputs. The graph need not be in topological order (a pass that
+    splices before reordering leaves it so)."""
+    needed: dict[fx.Node, int] = {}
+    bits: dict[fx.Node, int] = {}
+    for start in gm.graph.nodes:
+        stack = [start]
+        while stack:
+            node = stack[-1]
+            if node in needed:
+                stack.pop()
+                continue
+            pending = [i for i in node.all_input_nodes if i not in needed]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            mask = 0
+            for i in node.all_input_nodes:
+                mask |= needed[i]
+            if is_wait(node) and is_all_gather(node.args[0]):  # type: ignore[arg-type]
+                mask |= 1 << bits.setdefault(node, len(bits))
+            needed[node] = mask
+    return needed

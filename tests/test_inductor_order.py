@@ -27,7 +27,7 @@ from fsdp_compile.passes.predicates import is_all_gather, waited_collective
 
 from .graph_utils import FakeWorldTestCase, ThreeUnits, shard_blocks_then_root
 from .test_outline import Mlp
-from .test_schedules import EmbeddingAndHead
+from .test_schedules_root import EmbeddingAndHead, EmbeddingNormAndHead
 
 _LAUNCH = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")
 # a bucket's in-place all-gather (NOTE [in-place all-gather]) returns nothing: its buffer is ``out=``
@@ -97,10 +97,15 @@ class InductorOrderTest(FakeWorldTestCase):
         self.assertEqual([o.count("call") for o in fx], [3, 3])
         self.assertEqual(emitted, fx)
 
-    def test_a_root_reduced_in_two_stretches_keeps_its_order(self) -> None:
-        # (NOTE [gradients in stretches]) the root's head is reduce-scattered first, its embedding last.
+    def test_a_root_reduced_in_stretches_keeps_its_order(self) -> None:
+        # (NOTE [gradients in stretches]) the root's head is reduce-scattered first, its embedding last;
+        # with a final norm, the head's before the wait for the root's gather, the norm's after it.
         fx, emitted = self.compiled_orders(EmbeddingAndHead(), example=torch.randint(0, 16, (4,)))
         self.assertEqual(fx[1].count("reduce_scatter"), 4)  # two blocks, and the root twice
+        self.assertEqual(emitted, fx)
+        fx, emitted = self.compiled_orders(EmbeddingNormAndHead(), example=torch.randint(0, 16, (4,)))
+        self.assertEqual(fx[1].count("reduce_scatter"), 5)  # two blocks, and the root three times
+        self.assertLess(fx[1].index("reduce_scatter"), fx[1].index("wait all_gather"))
         self.assertEqual(emitted, fx)
 
     def test_without_pinning_inductor_undoes_the_schedule(self) -> None:

@@ -9,7 +9,6 @@ Run with ``EXPECTTEST_ACCEPT=1`` to update the snapshots after an intended chang
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compile import FsdpGroups, MixedPrecisionPolicy
@@ -49,18 +48,18 @@ class ScheduleTest(ScheduleCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (7 nodes)
+7  compute         mm sum  (6 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
 10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (7 nodes)
+13 compute         mm sum  (6 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 pack            unit 1  rs
 17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-18 compute         le where mm sum  (6 nodes)
+18 compute         le where mm sum  (5 nodes)
 19 wait            unit 1  rs     reduce_scatter
 20 unpack          unit 1  rs
 21 pack            unit 0  rs
@@ -80,12 +79,12 @@ class ScheduleTest(ScheduleCase):
 4  all_gather      unit 1  ag+rs  comm            256 B
 5  wait            unit 2  ag+rs  comm
 6  unpack          unit 2  ag+rs
-7  compute         mm sum le where  (9 nodes)
+7  compute         mm sum le where  (8 nodes)
 8  wait            unit 1  ag+rs  comm
 9  unpack          unit 1  ag+rs
 10 pack            unit 2  ag+rs
 11 reduce_scatter  unit 2  ag+rs  comm            288 B
-12 compute         mm sum le where  (13 nodes)
+12 compute         mm sum le where  (11 nodes)
 13 wait            unit 2  ag+rs  comm
 14 unpack          unit 2  ag+rs
 15 pack            unit 1  ag+rs
@@ -109,18 +108,18 @@ class ScheduleTest(ScheduleCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (7 nodes)
+7  compute         mm sum  (6 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
 10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (7 nodes)
+13 compute         mm sum  (6 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 pack            unit 1  rs
 17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-18 compute         le where mm sum  (6 nodes)
+18 compute         le where mm sum  (5 nodes)
 19 wait            unit 1  rs     reduce_scatter
 20 unpack          unit 1  rs
 21 pack            unit 0  rs
@@ -150,7 +149,7 @@ class ScheduleTest(ScheduleCase):
 2  all_gather      unit 2  ag     all_gather      256 B
 3  wait            unit 2  ag     all_gather
 4  unpack          unit 2  ag
-5  compute         mm sum  (7 nodes)
+5  compute         mm sum  (6 nodes)
 6  pack            unit 2  rs
 7  reduce_scatter  unit 2  rs     reduce_scatter  288 B
 8  compute         le where  (2 nodes)
@@ -158,12 +157,12 @@ class ScheduleTest(ScheduleCase):
 10 all_gather      unit 1  ag     all_gather      256 B
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (7 nodes)
+13 compute         mm sum  (6 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 pack            unit 1  rs
 17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-18 compute         le where mm sum  (6 nodes)
+18 compute         le where mm sum  (5 nodes)
 19 wait            unit 1  rs     reduce_scatter
 20 unpack          unit 1  rs
 21 pack            unit 0  rs
@@ -195,18 +194,18 @@ class ScheduleTest(ScheduleCase):
 4  compute         where  (2 nodes)
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (7 nodes)
+7  compute         mm sum  (6 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
 10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (7 nodes)
+13 compute         mm sum  (6 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 pack            unit 1  rs
 17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-18 compute         le where mm sum  (6 nodes)
+18 compute         le where mm sum  (5 nodes)
 19 wait            unit 1  rs     reduce_scatter
 20 unpack          unit 1  rs
 21 pack            unit 0  rs
@@ -243,18 +242,18 @@ class ScheduleTest(ScheduleCase):
 4  all_gather      unit 1  ag     all_gather      128 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (7 nodes)
+7  compute         mm sum  (6 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
 10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (7 nodes)
+13 compute         mm sum  (6 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 pack            unit 1  rs
 17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-18 compute         le where mm sum  (6 nodes)
+18 compute         le where mm sum  (5 nodes)
 19 wait            unit 1  rs     reduce_scatter
 20 unpack          unit 1  rs
 21 pack            unit 0  rs
@@ -267,15 +266,15 @@ class ScheduleTest(ScheduleCase):
         # The gathered params are kept from forward to backward: backward has no all-gather at all,
         # only the three reduce-scatters.
         self.assertExpectedInline(bwd, """\
-0  compute         where mm sum  (7 nodes)
+0  compute         where mm sum  (6 nodes)
 1  pack            unit 2  rs
 2  reduce_scatter  unit 2  rs     reduce_scatter  288 B
-3  compute         le where mm sum  (7 nodes)
+3  compute         le where mm sum  (6 nodes)
 4  wait            unit 2  rs     reduce_scatter
 5  unpack          unit 2  rs
 6  pack            unit 1  rs
 7  reduce_scatter  unit 1  rs     reduce_scatter  288 B
-8  compute         le where mm sum  (6 nodes)
+8  compute         le where mm sum  (5 nodes)
 9  wait            unit 1  rs     reduce_scatter
 10 unpack          unit 1  rs
 11 pack            unit 0  rs
@@ -320,20 +319,20 @@ class HsdpScheduleTest(FakeWorldTestCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (7 nodes)
+7  compute         mm sum  (6 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
 10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (7 nodes)
+13 compute         mm sum  (6 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 pack            unit 2  rep
 17 all_reduce      unit 2  rep    replicate       144 B
 18 pack            unit 1  rs
 19 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-20 compute         le where mm sum  (6 nodes)
+20 compute         le where mm sum  (5 nodes)
 21 wait            unit 1  rs     reduce_scatter
 22 unpack          unit 1  rs
 23 pack            unit 1  rep
@@ -359,68 +358,3 @@ class HsdpScheduleTest(FakeWorldTestCase):
 43 compute           (1 nodes)
 44 unpack          unit 0  rep
 45 compute           (3 nodes)""")
-
-
-class EmbeddingAndHead(nn.Module):
-    """An embedding, two linear blocks and an output head: the root's parameters are read at both ends."""
-
-    def __init__(self, width: int = 8, vocab: int = 16) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tokens)
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return self.head(x)
-
-
-class RootAtBothEndsTest(FakeWorldTestCase):
-
-    def test_each_stretch_of_the_root_s_gradients_is_reduced_when_it_exists(self) -> None:
-        groups = FsdpGroups.create(dedicated="reduce_scatter")
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        torch.manual_seed(0)
-        model = shard_blocks_then_root(EmbeddingAndHead(), groups, mp_policy=mp)
-        graphs = capture(model, torch.randint(0, 16, (4,)))
-        bwd = listing(graphs["backward"], group_labels(groups))
-        # (NOTE [gradients in stretches]) the root (unit 2) has two reduce-scatters, each cast to fp32: its
-        # head's, right after the head's weight gradient at the start of backward (it runs under the blocks'
-        # backward and is waited before unit 1's pack), and its embedding's at the end.
-        self.assertExpectedInline(bwd, """\
-0  pack            unit 2  ag
-1  all_gather      unit 2  ag     all_gather      256 B
-2  compute         mm  (2 nodes)
-3  pack            unit 2  rs
-4  reduce_scatter  unit 2  rs     reduce_scatter  512 B
-5  pack            unit 1  ag
-6  all_gather      unit 1  ag     all_gather      128 B
-7  wait            unit 2  ag     all_gather
-8  unpack          unit 2  ag
-9  compute         mm le where  (6 nodes)
-10 pack            unit 0  ag
-11 all_gather      unit 0  ag     all_gather      128 B
-12 wait            unit 1  ag     all_gather
-13 unpack          unit 1  ag
-14 compute         mm sum  (7 nodes)
-15 wait            unit 2  rs     reduce_scatter
-16 unpack          unit 2  rs
-17 pack            unit 1  rs
-18 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-19 compute         le where  (2 nodes)
-20 wait            unit 0  ag     all_gather
-21 unpack          unit 0  ag
-22 compute         mm sum  (7 nodes)
-23 wait            unit 1  rs     reduce_scatter
-24 unpack          unit 1  rs
-25 pack            unit 0  rs
-26 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-27 compute         ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (10 nodes)
-28 wait            unit 0  rs     reduce_scatter
-29 unpack          unit 0  rs
-30 pack            unit 2  rs
-31 reduce_scatter  unit 2  rs     reduce_scatter  512 B
-32 wait            unit 2  rs     reduce_scatter
-33 unpack          unit 2  rs""")

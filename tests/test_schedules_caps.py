@@ -20,18 +20,18 @@ class CapScheduleTest(ScheduleCase):
 4  all_gather      unit 1  ag     all_gather      256 B
 5  wait            unit 2  ag     all_gather
 6  unpack          unit 2  ag
-7  compute         mm sum  (7 nodes)
+7  compute         mm sum  (6 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  288 B
 10 compute         le where  (2 nodes)
 11 wait            unit 1  ag     all_gather
 12 unpack          unit 1  ag
-13 compute         mm sum  (7 nodes)
+13 compute         mm sum  (6 nodes)
 14 wait            unit 2  rs     reduce_scatter
 15 unpack          unit 2  rs
 16 pack            unit 1  rs
 17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-18 compute         le where mm sum  (6 nodes)
+18 compute         le where mm sum  (5 nodes)
 19 wait            unit 1  rs     reduce_scatter
 20 unpack          unit 1  rs
 21 pack            unit 0  rs
@@ -88,7 +88,7 @@ class CapScheduleTest(ScheduleCase):
 7  compute         mm  (5 nodes)
 8  pack            unit 2  rs
 9  reduce_scatter  unit 2  rs     reduce_scatter  256 B
-10 compute         sum  (2 nodes)
+10 compute         sum  (1 nodes)
 11 pack            unit 2  rs
 12 reduce_scatter  unit 2  rs     reduce_scatter  32 B
 13 compute         le where  (2 nodes)
@@ -103,7 +103,7 @@ class CapScheduleTest(ScheduleCase):
 22 compute           (3 nodes)
 23 pack            unit 1  rs
 24 reduce_scatter  unit 1  rs     reduce_scatter  256 B
-25 compute         sum  (2 nodes)
+25 compute         sum  (1 nodes)
 26 pack            unit 1  rs
 27 reduce_scatter  unit 1  rs     reduce_scatter  32 B
 28 compute         le where mm  (4 nodes)
@@ -115,7 +115,7 @@ class CapScheduleTest(ScheduleCase):
 34 compute           (3 nodes)
 35 pack            unit 0  rs
 36 reduce_scatter  unit 0  rs     reduce_scatter  256 B
-37 compute         sum  (2 nodes)
+37 compute         sum  (1 nodes)
 38 pack            unit 0  rs
 39 reduce_scatter  unit 0  rs     reduce_scatter  32 B
 40 wait            unit 0  rs     reduce_scatter

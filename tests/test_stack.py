@@ -354,7 +354,7 @@ class StackSchedule(FakeWorldTestCase):
 20 reduce_scatter  unit 0  rs     reduce_scatter  1120 B
 21 wait            unit 3  ag     all_gather
 22 unpack          unit 3  ag
-23 compute         mm sum  (7 nodes)
+23 compute         mm sum  (6 nodes)
 24 wait            unit 0  rs     reduce_scatter
 25 unpack          unit 0  rs
 26 pack            unit 3  rs

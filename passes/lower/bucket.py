@@ -51,8 +51,15 @@ backward, its embedding's at the end, with every block's backward between. Its r
 are split where another unit's reduce-scatter comes between two of them in graph order, and each
 stretch is a bucket of its own, launched as soon as that stretch exists (``schedule/reduce_scatter.py``):
 the head's bucket runs under the blocks' backward instead of waiting, full size and cast to the reduce
-dtype, for the embedding. Pieces of one flat shard's gradient are never split (that gradient is one
-tensor); ``fully_shard`` lays out no flat for a unit that holds others (``flat_shard.py``).
+dtype, for the embedding. In such a unit a stretch is split too before a member whose gradient needs
+an all-gather that the members before it do not: the head's weight gradient needs only the loss's
+gradient and the saved input, the final norm's needs the head's gathered weight (through the gradient
+of its output), and in one bucket the head's reduce-scatter would wait for that gather and the matmul
+behind it, at the start of backward, while the reduce-scatter link has nothing else to do. (A unit
+whose gradients exist together, such as a block, is not split so: its gathers are prefetched and the
+link is busy with the unit before, so a split only adds a launch.)
+Pieces of one flat shard's gradient are never split (that gradient is one tensor); ``fully_shard``
+lays out no flat for a unit that holds others (``flat_shard.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from ..order import reorder
 from ..predicates import (
     flat_piece,
     fsdp_meta,
+    gathers_needed,
     is_all_gather,
     is_all_reduce,
     is_reduce_scatter,
@@ -99,7 +107,24 @@ def _groups(gm: fx.GraphModule, match: Callable[[fx.Node], bool], stretches: boo
             runs.append([])
         runs[-1].append(node)
         previous = unit
+    if stretches and any(len(runs) > 1 for runs in buckets.values()):
+        needs = gathers_needed(gm)
+        for key, runs in buckets.items():
+            if len(runs) > 1:
+                buckets[key] = [part for run in runs for part in _split_at_gathers(run, needs)]
     return [run for runs in buckets.values() for run in runs]
+
+
+def _split_at_gathers(run: list[fx.Node], needs: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """``run`` split before each member that needs an all-gather its earlier members do not."""
+    parts: list[list[fx.Node]] = [[]]
+    needed = 0
+    for node in run:
+        if parts[-1] and needs[node] & ~needed:
+            parts.append([])
+        parts[-1].append(node)
+        needed |= needs[node]
+    return parts
 
 
 def _flat_gradient(launch: fx.Node) -> bool:

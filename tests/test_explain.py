@@ -152,6 +152,17 @@ def test_extrapolation_matches_a_full_trace_and_tables_say_so() -> None:
         assert text.startswith("# 3 of the model's 5 identical blocks traced; times here are theirs.")
 
 
+@pytest.mark.parametrize("prefetch", [1, 2, "auto"])
+def test_too_few_traced_blocks_are_traced_deeper(prefetch: object) -> None:
+    """(NOTE [periodic blocks]) 1 and 2 blocks have no middle to extend (the schedule's first gathers and
+    last reduce-scatters differ between them): explain traces more, as many as the prefetch needs."""
+    eight = PRESETS["tiny"].with_(n_layers=8)
+    full = explain(eight, world_size=64, trace_layers=None, prefetch=prefetch).summary
+    asked = explain(eight, world_size=64, trace_layers=2, prefetch=prefetch).summary
+    assert asked["extrapolated_from_layers"] == {1: [2, 3], 2: [3, 4], "auto": [4, 5]}[prefetch]
+    assert asked["step_ms"] == pytest.approx(full["step_ms"], rel=0.01)
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="unknown model preset"):
         explain("llama9")

@@ -11,7 +11,10 @@ result is written out: a text table per graph, a Chrome/Perfetto trace, a PNG ti
 NOTE [periodic blocks]: the blocks of a built-in transformer are identical, so its schedule repeats
 block by block. Tracing 80 blocks costs minutes on a small CPU; ``explain`` traces ``trace_layers``
 and ``trace_layers - 1`` blocks and extends the totals linearly to the full depth (peaks in flight are
-those of the periodic middle). The tables, trace and picture show the traced depth, and say so.
+those of the periodic middle). The tables, trace and picture show the traced depth, and say so. The
+shallower copy must have a middle: at least two blocks, and more than the prefetch reaches ahead
+(``_least_traced``), else the two copies' difference is not one block's cost: the start and end of
+the schedule (the first gathers, the last reduce-scatters) differ between them as well.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fsdp_compile.api.groups import FsdpGroups
 from fsdp_compile.api.sharding import MixedPrecisionPolicy, fully_shard
 from fsdp_compile.compiler.backend import make_backend, observe_graphs
 from fsdp_compile.examples.models import PRESETS, ModelConfig, Transformer, loss_fn
+from fsdp_compile.inspection.autotune import DEPTHS
 from fsdp_compile.inspection.cost import OPTIMIZER_PASSES, optimizer_seconds
 from fsdp_compile.inspection.fused_attention import FusedAttention
 from fsdp_compile.inspection.hardware import Hardware, load_hardware
@@ -106,6 +110,13 @@ def _trace(
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def _least_traced(prefetch: object) -> int:
+    """The fewest blocks the deeper trace may hold (NOTE [periodic blocks]): the shallower one holds two
+    blocks and more than the units gathered ahead (``"auto"``: the deepest the cost model tries)."""
+    ahead = max(DEPTHS) if prefetch == "auto" else int(prefetch)  # type: ignore[call-overload]
+    return max(3, ahead + 2)
 
 
 def _default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -227,9 +238,11 @@ def explain(
         cfg = model
         seq = seq or cfg.max_seq_len
         depth = cfg.n_layers
-        if trace_layers is not None and depth > trace_layers >= 2:
-            extrapolate = (trace_layers, depth)
-            depth = trace_layers
+        if trace_layers is not None and depth > trace_layers >= 1:
+            k = max(trace_layers, _least_traced(backend_kw.get("prefetch", 1)))
+            if depth > k:
+                extrapolate = (k, depth)
+                depth = k
         traced_layers = depth
 
         def build(layers: int) -> _Traced:

@@ -214,13 +214,13 @@ def test_cli_prints_the_summary_and_never_overwrites_its_default_out(tmp_path: P
     --out, a second run writes beside the first, not over it."""
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
-        assert cli(["explain", "--model", "demo", "--world-size", "4", "--trace-layers", "2"]) == 0
+        assert cli(["explain", "--model", "demo", "--world-size", "4", "--trace-layers", "2"]) == 0  # (3 traced)
     out = capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["explain", "explain-2"]
     s = json.loads((tmp_path / "out" / "explain-2" / "summary.json").read_text())
     assert (f"estimated step     {s['step_ms']:.2f} ms = compute {s['compute_ms']:.2f} ms (the adamw optimizer "
             f"step's {s['optimizer_ms']:.2f} ms included) + exposed comm {s['exposed_comm_ms']:.2f} ms") in out
-    assert "the model's 4 blocks are identical: copies of 1 and 2 blocks were traced" in out
+    assert "the model's 4 blocks are identical: copies of 2 and 3 blocks were traced" in out
 
 
 def test_dump_dir_writes_each_graph(groups: object, tmp_path: Path) -> None:

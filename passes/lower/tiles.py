@@ -1,8 +1,8 @@
 """A gradient summed from pieces that tile it: their ``cat``, or the tensor they are pieces of.
 
 NOTE [tiled gradients]: a flat shard read as pieces outside a flat marker (NOTE [flat markers] in
-``capture/group_markers.py``: the root unit, an inlined block) gets from AOTAutograd the gradient of each piece
-scattered into zeros and summed::
+``capture/group_markers.py``: a block read inline, not through an outlined call) gets from AOTAutograd
+the gradient of each piece scattered into zeros and summed::
 
     z = full([N], 0); g = add(add(slice_scatter(z, g_a, 0, 0, n_a), slice_scatter(z, g_b, 0, n_a, n_a + n_b)), ...)
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch
 from torch import fx
 
-from .predicates import collective_kind, fsdp_meta, is_collective, tensor_bytes, wait_of
+from .predicates import VIEW_OPS, collective_kind, fsdp_meta, is_collective, tensor_bytes, wait_of
 
 __all__ = ["Region", "regions"]
 
@@ -80,19 +79,15 @@ def _tagged_closure(start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable
     return found
 
 
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default,
-          torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.alias.default,
-          torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim}
-
-
 def _views_only_read_by(nodes: set[fx.Node]) -> set[fx.Node]:
     """The chains of untagged views, of one input each, whose every user is in ``nodes`` or the chain."""
     found: set[fx.Node] = set()
     stack = [i for n in nodes for i in n.all_input_nodes]
     while stack:
         n = stack.pop()
-        if (n in found or n in nodes or n.op != "call_function" or n.target not in _VIEWS or n.meta.get("fsdp", {}).get("kind")
-                or len(n.all_input_nodes) != 1 or any(u not in nodes and u not in found for u in n.users)):
+        if (n in found or n in nodes or n.op != "call_function" or n.target not in VIEW_OPS
+                or n.meta.get("fsdp", {}).get("kind") or len(n.all_input_nodes) != 1
+                or any(u not in nodes and u not in found for u in n.users)):
             continue
         found.add(n)
         stack.extend(n.all_input_nodes)

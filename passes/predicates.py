@@ -26,6 +26,7 @@ __all__ = [
     "is_reduce_scatter",
     "is_all_reduce",
     "gathers_needed",
+    "VIEW_OPS",
     "is_collective",
     "collective_kind",
     "op_name",
@@ -219,6 +220,11 @@ def schema_args(node: fx.Node) -> dict[str, object]:
 _NARROW = {torch.ops.aten.narrow.default, torch.ops.aten.slice.Tensor}
 
 _VIEW = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
+
+# Ops that return a view of their one tensor input and compute nothing.
+VIEW_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.as_strided.default,
+                      torch.ops.aten.permute.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+                      torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim})
 
 
 def flat_piece(node: object) -> tuple[fx.Node, int, int, list[fx.Node]] | None:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, fx
 
 from ..graph_ops import numel
+from ..predicates import VIEW_OPS
 from ..splice import splice
 
 __all__ = ["tiles_pass"]
@@ -134,15 +135,12 @@ def tiles_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.as_strided.default)
-
-
 def _erase_dead_views(nodes: Sequence[fx.Node]) -> None:
     """Erase ``nodes`` that are views read by nothing now, and the views before them likewise."""
     stack = list(nodes)
     while stack:
         n = stack.pop()
-        if n.users or n.op != "call_function" or n.target not in _VIEWS:
+        if n.users or n.op != "call_function" or (n.target not in VIEW_OPS and n.target is not aten.reshape.default):
             continue
         inputs = n.all_input_nodes
         n.graph.erase_node(n)

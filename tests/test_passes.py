@@ -12,6 +12,7 @@ from torch import fx
 
 from fsdp_compile.passes import NamedPass, run_passes
 from fsdp_compile.passes.order import reorder
+from fsdp_compile.passes.predicates import gathers_needed
 
 from .pass_graphs import (
     PIPELINE, abcd, backward_graph, forward_graph, gathers, ints, lowered, names, one_param, ops, show, trace,
@@ -134,3 +135,19 @@ def test_absent_pattern_leaves_graph_unchanged(name: str) -> None:
         gm = valid(other[name]())
         code = gm.code
         assert valid(fn(gm)).code == code
+
+
+def test_gathers_needed_follows_inputs_in_any_order() -> None:
+    """``predicates.gathers_needed`` (NOTE [gradients in stretches]): each node's all-gather waits, through
+    its inputs, also in a graph not yet in dependency order (``bucket_pass`` splices before it reorders)."""
+    c10d = torch.ops._c10d_functional
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    gathered = graph.call_function(c10d.wait_tensor.default, (graph.call_function(
+        c10d.all_gather_into_tensor.default, (x, 2, "ag")),))
+    alone = graph.call_function(torch.ops.aten.mul.Tensor, (x, x))
+    needs = graph.call_function(torch.ops.aten.mul.Tensor, (gathered, alone))
+    graph.output((needs,))
+    alone.prepend(needs)  # a user before its inputs
+    masks = gathers_needed(fx.GraphModule(torch.nn.Module(), graph))
+    assert (masks[x], masks[alone], masks[gathered], masks[needs]) == (0, 0, 1, 1)

@@ -31,15 +31,19 @@ class EmbeddingAndHead(nn.Module):
         return self.head(x)
 
 
+def backward_listing(model: nn.Module) -> str:
+    """``model``'s blocks and root sharded under bf16 compute with fp32 reduction; its backward's listing."""
+    groups = FsdpGroups.create(dedicated="reduce_scatter")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    sharded = shard_blocks_then_root(model, groups, mp_policy=mp)
+    return listing(capture(sharded, torch.randint(0, 16, (4,)))["backward"], group_labels(groups))
+
+
 class RootAtBothEndsTest(FakeWorldTestCase):
 
     def test_each_stretch_of_the_root_s_gradients_is_reduced_when_it_exists(self) -> None:
-        groups = FsdpGroups.create(dedicated="reduce_scatter")
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        torch.manual_seed(0)
-        model = shard_blocks_then_root(EmbeddingAndHead(), groups, mp_policy=mp)
-        graphs = capture(model, torch.randint(0, 16, (4,)))
-        bwd = listing(graphs["backward"], group_labels(groups))
+        bwd = backward_listing(EmbeddingAndHead())
         # (NOTE [gradients in stretches]) the root (unit 2) has two reduce-scatters, each cast to fp32: its
         # head's, right after the head's weight gradient at the start of backward (it runs under the blocks'
         # backward and is waited before unit 1's pack), and its embedding's at the end.
@@ -98,11 +102,7 @@ class EmbeddingNormAndHead(EmbeddingAndHead):
 class RootWithNormTest(FakeWorldTestCase):
 
     def test_the_head_s_gradient_is_reduced_before_the_head_s_gather_is_waited(self) -> None:
-        groups = FsdpGroups.create(dedicated="reduce_scatter")
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        torch.manual_seed(0)
-        model = shard_blocks_then_root(EmbeddingNormAndHead(), groups, mp_policy=mp)
-        bwd = listing(capture(model, torch.randint(0, 16, (4,)))["backward"], group_labels(groups))
+        bwd = backward_listing(EmbeddingNormAndHead())
         # The root (unit 2) reduces three stretches: the head's weight gradient (512 B) right after its
         # matmul, before the wait for the root's gather (the head's weight, for the gradient of the norm's
         # output); the norm's weight (32 B) once that exists; the embedding's at the end. In one bucket

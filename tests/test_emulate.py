@@ -271,5 +271,6 @@ def test_backend_options_reach_each_variants_process() -> None:
     child = p.parse_args(_argv(ns, "fsdp-compile", "r.json")[1:])
     assert backend_options(child.option) == {"bucket_alone_bytes": None, "prefetch": 2} and child.world == 64
     assert not child.root_reshard and p.parse_args(_argv(p.parse_args([]), "fsdp-compile", "r.json")[1:]).root_reshard
+    assert not child.warm_cache and p.parse_args(_argv(p.parse_args(["--warm-cache"]), "fsdp-compile", "r.json")[1:]).warm_cache
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         backend_options(["prefetch"])

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_compile._compat import inductor_config_patch
 from fsdp_compile.emulate.group import init_emulated_world
 from fsdp_compile.emulate.measure import StepReport, measure_steps
 from fsdp_compile.emulate.timing import EmulatedTopology
@@ -125,6 +126,9 @@ def add_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = VARIAN
     p.add_argument("--root-reshard", action=argparse.BooleanOptionalAction, default=True,
                    help="our root unit reshards after forward (--no-root-reshard: the parameters backward reads "
                         "first, such as the output head, stay gathered into backward, as FSDP2's root does)")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="let compiles load from the compile caches (default: every compile cold, so that a run "
+                        "measures what this code compiles, not what an earlier run left in the cache)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="out/emulate", help="directory for summary.json and each variant's trace")
@@ -143,6 +147,8 @@ def _argv(ns: argparse.Namespace, variant: str, json_path: str) -> list[str]:
         argv += ["--option", pair]
     if not ns.root_reshard:
         argv.append("--no-root-reshard")
+    if ns.warm_cache:
+        argv.append("--warm-cache")
     return argv
 
 
@@ -170,11 +176,12 @@ def run_variant(ns: argparse.Namespace, variant: str, build: Builder = build_ste
     init_emulated_world(EmulatedTopology(ns.world, hw, hosts=ns.hosts, blocks=ns.blocks, shared=ns.shared))
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = PRESETS[ns.model].with_(**({"n_layers": ns.layers} if ns.layers else {}))
-    step = build(variant, cfg, ns.tokens, device, ns.dtype, backend_options(ns.option), ns.root_reshard)
-    out = Path(ns.out)
-    report = measure_steps(step, label=variant, steps=ns.steps, warmup=ns.warmup,
-                           flops_per_step=train_flops(cfg, ns.tokens), peak_flops=hw.peak_flops_bf16,
-                           trace=out / f"trace-{variant}-w{ns.world}.json.gz")
+    # a warm load of an outlined body keeps a constant its compiled code never reads (docs/performance.md)
+    with inductor_config_patch({"force_disable_caches": not ns.warm_cache}):
+        step = build(variant, cfg, ns.tokens, device, ns.dtype, backend_options(ns.option), ns.root_reshard)
+        report = measure_steps(step, label=variant, steps=ns.steps, warmup=ns.warmup,
+                               flops_per_step=train_flops(cfg, ns.tokens), peak_flops=hw.peak_flops_bf16,
+                               trace=Path(ns.out) / f"trace-{variant}-w{ns.world}.json.gz")
     dist.destroy_process_group()
     return report
 

@@ -176,7 +176,7 @@ def run_variant(ns: argparse.Namespace, variant: str, build: Builder = build_ste
     init_emulated_world(EmulatedTopology(ns.world, hw, hosts=ns.hosts, blocks=ns.blocks, shared=ns.shared))
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = PRESETS[ns.model].with_(**({"n_layers": ns.layers} if ns.layers else {}))
-    # a warm load of an outlined body keeps a constant its compiled code never reads (docs/performance.md)
+    # cold by default: what this code compiles, not what an earlier run left in the compile caches
     with inductor_config_patch({"force_disable_caches": not ns.warm_cache}):
         step = build(variant, cfg, ns.tokens, device, ns.dtype, backend_options(ns.option), ns.root_reshard)
         report = measure_steps(step, label=variant, steps=ns.steps, warmup=ns.warmup,

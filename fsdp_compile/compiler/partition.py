@@ -131,9 +131,9 @@ def _fill_by_broadcast(gm: fx.GraphModule) -> fx.GraphModule:
     """NOTE [fills on reload]: AOTAutograd's cache saves a backward graph (to compile it later) by pickling
     its ``GraphModule``, and loading re-traces the graph's code, which *runs* every call whose arguments
     are all constants and keeps the result as a constant tensor of the module (``torch.fx``'s pickling,
-    torch 2.11 and 2.13). A view's backward writes its gradient into ``full(shape, 0)``: RoPE's strided
-    slices of q and k in each outlined block's backward body (64 + 16 MiB at 8192 tokens of Llama-3-8B),
-    so a warm start kept that much of the device's memory for the whole run, read by no kernel. In an
+    torch 2.11 and 2.13). A view's backward writes its gradient into ``full(shape, 0)``, such as RoPE's
+    strided slices of q and k in each outlined block's backward body, so a warm start kept fills of an
+    activation's size in the device's memory for the whole run, read by no kernel. In an
     outlined body's backward such a fill becomes a one-element fill expanded to its shape, whose call
     reads a node and so is never run on reload; only where every user is a scatter (the view's backward)
     that reads it as its base: the same values and, for Inductor, the same fused kernel. The whole-model

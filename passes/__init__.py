@@ -1,8 +1,8 @@
 """Pure graph passes: ``GraphModule -> GraphModule``, one idea per file, no process groups.
 
 - ``capture/``: on Dynamo's graph, before AOTAutograd (outline, unroll, hoist, inline, group markers);
-- ``lower/``: on each graph AOTAutograd hands on (share bodies, lower or expand flat markers, lower
-  per parameter, bucket, tiles);
+- ``lower/``: on each graph AOTAutograd hands on (share bodies; every marker to its bucket's
+  collectives, written by ``bucket.py``);
 - ``schedule/``: where collectives and copies go and which stream runs them (prefetch, reduce_scatter,
   streams, absorb);
 - shared: ``runner`` (one runner), ``predicates``, ``splice``, ``order``, ``collective_regions``,

@@ -56,7 +56,7 @@ Spec = tuple[tuple[str, str], ...]  # (name, schema type) of each argument, in o
 
 # NOTE [one marker spec]: the arguments of the two markers, written once. ``fsdp_compile/api/markers.py`` defines
 # ``fsdp::unshard`` and ``fsdp::reduce_grad`` with Python signatures (``torch.library.custom_op`` reads
-# them; tests/test_passes_grouped.py checks them against these); the flat markers below take the
+# them; tests/test_passes_flat.py checks them against these); the flat markers below take the
 # per-parameter arguments as lists and the ``*_SHARED`` ones once, their schemas built from here; the
 # fakes, backwards and passes read arguments by these names (``by_name``, ``in_order``,
 # ``predicates.UnshardArgs``).
@@ -129,7 +129,6 @@ def _full_or_zeros(grads: Sequence[Tensor | None], full: Sequence[tuple[list[int
             for g, (shape, dtype) in zip(grads, full)]
 
 
-@torch.library.impl("fsdp::unshard_flat", "CompositeExplicitAutograd")
 def unshard_flat(flat: Tensor, shard_ranks: list[int], shard_dims: list[int], ranks: list[int], dims: list[int],
                  names: str, *shared: object) -> list[Tensor]:
     """``fsdp::unshard`` of each piece of the 1-D ``flat``: piece ``i`` is the next elements of ``flat``,
@@ -171,16 +170,19 @@ def _unshard_flat_backward(ctx: Any, grads: list[Tensor | None]) -> tuple:
     return (flat_grad,) + (None,) * (5 + len(UNSHARD_SHARED))
 
 
+torch.library.impl("fsdp::unshard_flat", "CompositeExplicitAutograd")(unshard_flat)
 torch.library.register_autograd("fsdp::unshard_flat", _unshard_flat_backward, setup_context=_unshard_flat_setup)
 
 
-@torch.library.impl("fsdp::reduce_grad_flat", "CompositeExplicitAutograd")
 def reduce_grad_flat(grads: list[Tensor], shard_ranks: list[int], shard_dims: list[int], names: str,
                      *shared: object) -> Tensor:
     """The flat's gradient: ``fsdp::reduce_grad`` of each full gradient to its piece's shape, in order;
     ``shared``: the ``REDUCE_GRAD_SHARED`` arguments."""
     shapes = unflatten_shapes(shard_ranks, shard_dims)
     return torch.cat([g.reshape(-1) for g in _reduce_each(grads, shapes, names, shared)])
+
+
+torch.library.impl("fsdp::reduce_grad_flat", "CompositeExplicitAutograd")(reduce_grad_flat)
 
 
 @torch.library.register_fake("fsdp::reduce_grad_flat")

@@ -21,8 +21,7 @@ import fsdp_compile.api.markers as fsdp_ops
 import fsdp_compile.passes.graph_ops as bucket_copies
 from fsdp_compile.inspection.schedule import listing
 from fsdp_compile.passes import NamedPass
-from fsdp_compile.passes.lower.bucket import bucket_pass
-from fsdp_compile.passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
+from fsdp_compile.passes.lower.markers import lower_markers_pass
 from fsdp_compile.passes.predicates import fsdp_meta, is_all_gather, is_collective, is_reduce_scatter, is_wait
 from fsdp_compile.passes.schedule.prefetch import prefetch_pass
 from fsdp_compile.passes.schedule.reduce_scatter import reduce_scatter_pass
@@ -167,12 +166,14 @@ def valid(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def lowered(gm: fx.GraphModule) -> fx.GraphModule:
-    return valid(lower_reduce_grad_pass(valid(lower_unshard_pass(gm))))
+def lowered(gm: fx.GraphModule, **options: Any) -> fx.GraphModule:
+    """Every parameter's collectives its own (each large enough to go alone)."""
+    return valid(lower_markers_pass(gm, alone_bytes=1, **options))
 
 
-def bucketed(gm: fx.GraphModule) -> fx.GraphModule:
-    return valid(bucket_pass(lowered(gm)))
+def bucketed(gm: fx.GraphModule, **options: Any) -> fx.GraphModule:
+    """One bucket per unit, as the backend lowers by default."""
+    return valid(lower_markers_pass(gm, **options))
 
 
 class TwoRanks(TorchDispatchMode):
@@ -198,8 +199,9 @@ class TwoRanks(TorchDispatchMode):
             return args[0]
         if func.namespace == "fsdp":  # the marker's (or bucket copy's) eager body, with this mode still on
             module = fsdp_ops if hasattr(fsdp_ops, func._opname) else bucket_copies
+            body = getattr(module, func._opname)
             with self:
-                return getattr(module, func._opname)._init_fn(*args, **kwargs)
+                return getattr(body, "_init_fn", body)(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -265,9 +267,7 @@ def names(gm: fx.GraphModule) -> list[str]:
 
 # The backend's pass list (fsdp_compile.compiler.backend), with its default settings.
 PIPELINE = [
-    NamedPass("lower_unshard", lower_unshard_pass),
-    NamedPass("lower_reduce_grad", lower_reduce_grad_pass),
-    NamedPass("bucket", bucket_pass),
+    NamedPass("lower", lower_markers_pass),
     NamedPass("prefetch", functools.partial(prefetch_pass, depth=1)),
     NamedPass("reduce_scatter", reduce_scatter_pass),
     NamedPass("streams", streams_pass),

@@ -389,16 +389,16 @@ class TableTest(TestCase):
         # exposed in full (15 us collective latency), unit 1's is hidden behind unit 0's compute.
         self.assertExpectedInline(table(fwd, simulate(fwd, H200), labels), """\
 order  node                      unit  collective  group  stream      bytes  est. start (us)  est. end (us)
-    0  all_gather_into_tensor_6  0     all_gather  ag     all_gather    288            0.000         15.000
-    1  all_gather_into_tensor_7  1     all_gather  ag     all_gather    288           15.000         30.001
-    2  wait_tensor_6             0     all_gather  ag     compute                      0.000         15.000
+    0  all_gather_into_tensor    0     all_gather  ag     all_gather    288            0.000         15.000
+    1  all_gather_into_tensor_1  1     all_gather  ag     all_gather    288           15.000         30.001
+    2  wait_tensor               0     all_gather  ag     compute                      0.000         15.000
     3  unpack (3 nodes)          0     all_gather  ag     compute                     15.000         18.600
     4  addmm relu (3 nodes)                               compute                     18.600         25.800
-    5  all_gather_into_tensor_8  2     all_gather  ag     all_gather    288           30.001         45.001
-    6  wait_tensor_7             1     all_gather  ag     compute                     25.800         30.001
+    5  all_gather_into_tensor_2  2     all_gather  ag     all_gather    288           30.001         45.001
+    6  wait_tensor_1             1     all_gather  ag     compute                     25.800         30.001
     7  unpack (3 nodes)          1     all_gather  ag     compute                     30.001         33.601
     8  addmm relu (3 nodes)                               compute                     33.601         40.801
-    9  wait_tensor_8             2     all_gather  ag     compute                     40.801         45.001
+    9  wait_tensor_2             2     all_gather  ag     compute                     40.801         45.001
    10  unpack (3 nodes)          2     all_gather  ag     compute                     45.001         48.001
    11  addmm relu le (4 nodes)                            compute                     48.001         57.001""")
 

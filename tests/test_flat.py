@@ -22,7 +22,6 @@ from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import ModelConfig, Transformer
 from fsdp_compile.api.units import unit_of
 from fsdp_compile.passes.capture.flat_inputs import split_flat_inputs_pass
-from fsdp_compile.passes.lower.tiles import tiles_pass
 from fsdp_compile.passes.predicates import is_flat_reduce_grad, is_flat_unshard
 
 from .graph_utils import fake_process_group, shard_blocks_then_root
@@ -72,7 +71,7 @@ def test_a_unit_s_parameters_are_views_of_its_flat_shard() -> None:
     with fake_process_group(2):
         model, _ = _sharded()
         # the root holds the blocks' units: its embedding's and head's gradients exist at the two ends of
-        # backward, reduced apart (NOTE [gradients in stretches] in passes/lower/bucket.py)
+        # backward, reduced apart (NOTE [gradients in stretches] in passes/lower/markers.py)
         assert unit_of(model).flat is None and all(sp.flat is None for sp in unit_of(model).params)  # type: ignore[union-attr]
         for module in model.layers:
             unit = unit_of(module)
@@ -209,32 +208,6 @@ def test_module_to_lays_the_flat_shards_out_again() -> None:
         _step(ref, tokens)
         for name, p, r in _pairs(model, ref):
             torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
-
-
-def _sum_of_pieces(whole_source: bool) -> fx.GraphModule:
-    """``full([6], 0)`` with two pieces scattered in and summed (pieces of one tensor, or two tensors)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def f(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if whole_source:
-            a, b = out.as_strided([2, 2], [2, 1], 0), out.as_strided([2], [1], 4)
-        z = torch.zeros(6)
-        return (torch.slice_scatter(z, b.reshape(-1), 0, 4, 6) + torch.slice_scatter(z, a.reshape(-1), 0, 0, 4)) * 2
-
-    return make_fx(f, tracing_mode="fake")(torch.randn(6), torch.randn(2, 2), torch.randn(2))
-
-
-@pytest.mark.parametrize("whole_source", [False, True])
-def test_a_sum_of_pieces_tiling_a_tensor_becomes_their_cat_or_their_source(whole_source: bool) -> None:
-    gm = _sum_of_pieces(whole_source)
-    args = (torch.randn(6), torch.randn(2, 2), torch.randn(2))
-    expected = gm(*args)
-    gm = tiles_pass(gm)
-    gm.recompile()
-    torch.testing.assert_close(gm(*args), expected)
-    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-    assert "aten.slice_scatter.default" not in targets and "aten.add.Tensor" not in targets
-    assert ("aten.cat.default" in targets) is not whole_source
 
 
 def test_hooks_registered_on_a_parameter_run_when_its_gradient_is_handed_out() -> None:

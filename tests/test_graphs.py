@@ -79,7 +79,7 @@ def test_disabled_passes_take_the_name_of_any_pass_the_backend_runs() -> None:
     """``PASS_NAMES`` is every name of the stages' lists, each once; any other name raises, listing them."""
     names = [name for stage in STAGES for name, _ in stage]
     assert list(PASS_NAMES) == names and len(set(names)) == len(names)
-    assert {"split_flat_inputs", "outline", "group_markers", "lower_grouped", "bucket", "prefetch", "absorb"} <= set(names)
+    assert {"split_flat_inputs", "outline", "group_markers", "lower", "prefetch", "absorb"} <= set(names)
     assert BackendOptions(disabled_passes=["name_markers", "absorb"]).disabled_passes == ("name_markers", "absorb")
     with pytest.raises(ValueError, match=r"disabled_passes \['nope'\] match no pass; known: \['split_flat_inputs', 'outline'"):
         make_backend(disabled_passes=["absorb", "nope"])

@@ -90,13 +90,13 @@ class TestRunner(TestCase):
 26 unpack          unit 0  rs""")
 
     def test_disabled_pass_is_skipped(self) -> None:
-        gm = run_passes(forward_graph(), PIPELINE, disabled=["bucket", "prefetch"])
-        self.assertEqual(len(gathers(gm)), 6)
-        self.assertEqual(ops(gm), ops(lowered(forward_graph())))
+        gm = run_passes(forward_graph(), PIPELINE, disabled=["prefetch"])
+        self.assertEqual(len(gathers(gm)), 3)
+        self.assertEqual(ops(gm), ops(run_passes(forward_graph(), [p for p in PIPELINE if p.name != "prefetch"])))
 
     def test_unknown_disabled_name(self) -> None:
-        with self.assertRaisesRegex(ValueError, r"\['nope'\].*known passes: \['lower_unshard', .*'streams'\]"):
-            run_passes(forward_graph(), PIPELINE, disabled=["bucket", "nope"])
+        with self.assertRaisesRegex(ValueError, r"\['nope'\].*known passes: \['lower', .*'streams'\]"):
+            run_passes(forward_graph(), PIPELINE, disabled=["prefetch", "nope"])
 
     def test_broken_graph_names_the_pass(self) -> None:
         def breaker(gm: fx.GraphModule) -> fx.GraphModule:
@@ -114,10 +114,10 @@ def test_log_diff(caplog: pytest.LogCaptureFixture) -> None:
         run_passes(forward_graph(units=1), PIPELINE[:3], log_diff=True)
     diffs = [r for r in caplog.records if r.levelno == logging.INFO and r.name == "fsdp_compile.passes.runner"]
     assert len(diffs) == 3
-    assert "--- before lower_unshard" in diffs[0].getMessage()
+    assert "--- before lower" in diffs[0].getMessage()
+    assert "+    pack_shards = torch.ops.fsdp.pack_shards.default" in diffs[0].getMessage()
     assert "+    all_gather_into_tensor = " in diffs[0].getMessage()
-    assert diffs[1].getMessage() == ""  # no reduce_grad in a forward graph: no change
-    assert "+    pack_shards = torch.ops.fsdp.pack_shards.default" in diffs[2].getMessage()
+    assert diffs[1].getMessage() == ""  # one unit: nothing to prefetch
 
 
 @pytest.mark.parametrize("name", [p.name for p in PIPELINE])
@@ -128,8 +128,7 @@ def test_absent_pattern_leaves_graph_unchanged(name: str) -> None:
     assert fn(plain) is plain
     assert valid(plain).code == code
     # and on a graph that has only the other kind of marker or collective, or nothing to merge
-    other = {"lower_unshard": lambda: lowered(backward_graph()), "lower_reduce_grad": forward_graph,
-             "bucket": lambda: lowered(one_param([4, 4], 2)), "prefetch": lambda: lowered(backward_graph()),
+    other = {"lower": lambda: lowered(one_param([4, 4], 2)), "prefetch": lambda: lowered(backward_graph()),
              "reduce_scatter": lambda: lowered(forward_graph())}
     if name in other:
         gm = valid(other[name]())

@@ -1,5 +1,5 @@
-"""Unit tests of the lowering passes (``lower``, ``bucket``) on small hand-built graphs (see ``pass_graphs``):
-no process group."""
+"""Unit tests of the lowering pass (``lower/markers.py``: each parameter alone, or a unit's bucket) on small
+hand-built graphs (see ``pass_graphs``): no process group."""
 
 from __future__ import annotations
 
@@ -7,19 +7,17 @@ import torch
 from expecttest import TestCase
 from torch import Tensor
 
-from fsdp_compile.passes.lower.bucket import bucket_pass
-from fsdp_compile.passes.lower.per_param import lower_unshard_pass
 from fsdp_compile.passes.predicates import fsdp_meta
 
 from .pass_graphs import (
     WIDTH, assert_same, backward_graph, bucketed, forward_graph, gathers, ints, launches, lowered, one_param, ops,
-    reduce_grad, run, scatters, show, trace, units_of, unshard, val, valid, waits,
+    reduce_grad, run, scatters, show, trace, units_of, unshard, val, waits,
 )
 
 
 class TestLower(TestCase):
     def test_unshard_is_gather_and_wait(self) -> None:
-        gm = valid(lower_unshard_pass(trace(lambda s: unshard(s, [6, 4], 0, "w0"), ints(3, 4))))
+        gm = lowered(trace(lambda s: unshard(s, [6, 4], 0, "w0"), ints(3, 4)))
         self.assertEqual(ops(gm), ["view", "all_gather_into_tensor", "wait_tensor", "view", "view"])
         (ag,) = gathers(gm)
         self.assertEqual(ag.args[1:], (2, "ag"))
@@ -130,7 +128,7 @@ class TestBucket(TestCase):
         # (NOTE [in-place all-gather]) Rank r's members are copied into out[r*N:(r+1)*N], gathered in place.
         gm = forward_graph()
         want = run(gm)
-        gm = valid(bucket_pass(lowered(gm), rank_of=lambda group: 0))
+        gm = bucketed(gm, rank_of=lambda group: 0)
         self.assertEqual(len(gathers(gm)), 3)
         for ag in gathers(gm):
             self.assertIs(ag.target, torch.ops._c10d_functional.all_gather_into_tensor_out.default)
@@ -148,11 +146,11 @@ class TestBucket(TestCase):
         for make in (forward_graph, lambda: backward_graph(gathers=True)):
             gm, per_param = make(), len(launches(lowered(make())))
             want = run(gm)
-            gm = valid(bucket_pass(lowered(gm), rank_of=lambda group: 0, alone_bytes=200))
+            gm = bucketed(gm, rank_of=lambda group: 0, alone_bytes=200)
             self.assertEqual(len(launches(gm)), per_param)
             self.assertFalse([n for n in gm.graph.nodes if n.target is torch.ops.fsdp.pack_shards.default])
             assert_same(run(gm), want)
-        gm = valid(bucket_pass(lowered(forward_graph()), alone_bytes=260))  # weights 256 B: all bucketed
+        gm = bucketed(forward_graph(), alone_bytes=260)  # weights 256 B: all bucketed
         self.assertEqual(len(gathers(gm)), 3)
 
     def test_a_gradient_whose_reduction_casts_is_never_alone(self) -> None:
@@ -164,7 +162,7 @@ class TestBucket(TestCase):
 
         gm = trace(fn, ints(8, 8), ints(4), ints(16, 8).bfloat16(), ints(8).bfloat16())
         want = run(gm)
-        gm = valid(bucket_pass(lowered(gm), rank_of=lambda group: 0, alone_bytes=200))
+        gm = bucketed(gm, rank_of=lambda group: 0, alone_bytes=200)
         self.assertEqual(len(gathers(gm)), 2)  # w alone; b alone, what is left of the bucket
         (rs,) = scatters(gm)  # one bucket of both gradients, in fp32
         self.assertEqual(val(rs.args[0]), ((2 * (64 + 4),), torch.float32))

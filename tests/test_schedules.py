@@ -327,34 +327,19 @@ class HsdpScheduleTest(FakeWorldTestCase):
 12 unpack          unit 1  ag
 13 compute         mm sum  (6 nodes)
 14 wait            unit 2  rs     reduce_scatter
-15 unpack          unit 2  rs
-16 pack            unit 2  rep
-17 all_reduce      unit 2  rep    replicate       144 B
-18 pack            unit 1  rs
-19 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-20 compute         le where mm sum  (5 nodes)
-21 wait            unit 1  rs     reduce_scatter
-22 unpack          unit 1  rs
-23 pack            unit 1  rep
-24 all_reduce      unit 1  rep    replicate       144 B
-25 pack            unit 0  rs
-26 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-27 wait            unit 0  rs     reduce_scatter
-28 unpack          unit 0  rs
-29 pack            unit 0  rep
-30 all_reduce      unit 0  rep    replicate       144 B
-31 wait            unit 2  rep    replicate
-32 wait            unit 1  rep    replicate
-33 wait            unit 0  rep    replicate
-34 unpack          unit 2  rep
-35 compute           (1 nodes)
-36 unpack          unit 2  rep
-37 compute           (3 nodes)
-38 unpack          unit 1  rep
-39 compute           (1 nodes)
-40 unpack          unit 1  rep
-41 compute           (3 nodes)
-42 unpack          unit 0  rep
-43 compute           (1 nodes)
-44 unpack          unit 0  rep
-45 compute           (3 nodes)""")
+15 all_reduce      unit 2  rep    replicate       144 B
+16 pack            unit 1  rs
+17 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+18 compute         le where mm sum  (5 nodes)
+19 wait            unit 1  rs     reduce_scatter
+20 all_reduce      unit 1  rep    replicate       144 B
+21 pack            unit 0  rs
+22 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+23 wait            unit 0  rs     reduce_scatter
+24 all_reduce      unit 0  rep    replicate       144 B
+25 wait            unit 2  rep    replicate
+26 wait            unit 1  rep    replicate
+27 wait            unit 0  rep    replicate
+28 unpack          unit 2  rep
+29 unpack          unit 1  rep
+30 unpack          unit 0  rep""")

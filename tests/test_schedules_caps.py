@@ -98,32 +98,34 @@ class CapScheduleTest(ScheduleCase):
 17 wait            unit 2  rs     reduce_scatter
 18 wait            unit 2  rs     reduce_scatter
 19 unpack          unit 2  rs
-20 compute           (1 nodes)
-21 unpack          unit 2  rs
-22 compute           (3 nodes)
-23 pack            unit 1  rs
-24 reduce_scatter  unit 1  rs     reduce_scatter  256 B
-25 compute         sum  (1 nodes)
-26 pack            unit 1  rs
-27 reduce_scatter  unit 1  rs     reduce_scatter  32 B
-28 compute         le where mm  (4 nodes)
-29 wait            unit 1  rs     reduce_scatter
+20 unpack          unit 2  rs
+21 compute           (1 nodes)
+22 unpack          unit 2  rs
+23 compute           (2 nodes)
+24 pack            unit 1  rs
+25 reduce_scatter  unit 1  rs     reduce_scatter  256 B
+26 compute         sum  (1 nodes)
+27 pack            unit 1  rs
+28 reduce_scatter  unit 1  rs     reduce_scatter  32 B
+29 compute         le where mm  (4 nodes)
 30 wait            unit 1  rs     reduce_scatter
-31 unpack          unit 1  rs
-32 compute           (1 nodes)
+31 wait            unit 1  rs     reduce_scatter
+32 unpack          unit 1  rs
 33 unpack          unit 1  rs
-34 compute           (3 nodes)
-35 pack            unit 0  rs
-36 reduce_scatter  unit 0  rs     reduce_scatter  256 B
-37 compute         sum  (1 nodes)
-38 pack            unit 0  rs
-39 reduce_scatter  unit 0  rs     reduce_scatter  32 B
-40 wait            unit 0  rs     reduce_scatter
-41 wait            unit 0  rs     reduce_scatter
-42 unpack          unit 0  rs
-43 compute           (2 nodes)
+34 compute           (1 nodes)
+35 unpack          unit 1  rs
+36 compute           (2 nodes)
+37 pack            unit 0  rs
+38 reduce_scatter  unit 0  rs     reduce_scatter  256 B
+39 compute         sum  (1 nodes)
+40 pack            unit 0  rs
+41 reduce_scatter  unit 0  rs     reduce_scatter  32 B
+42 wait            unit 0  rs     reduce_scatter
+43 wait            unit 0  rs     reduce_scatter
 44 unpack          unit 0  rs
-45 compute           (2 nodes)""")
+45 compute           (1 nodes)
+46 unpack          unit 0  rs
+47 compute           (2 nodes)""")
 
     def test_small_prefetch_cap(self) -> None:
         fwd, bwd = self.schedule(prefetch=2, prefetch_bytes=600)

@@ -1,5 +1,5 @@
 """Schedules of a root unit whose parameters are read at both ends of backward (NOTE [gradients in
-stretches] in ``passes/lower/bucket.py``): an embedding before the blocks, a head (and a final norm) after.
+stretches] in ``passes/lower/markers.py``): an embedding before the blocks, a head (and a final norm) after.
 
 Snapshots as in ``test_schedules.py``: a fake process group of world size 2, group names as labels.
 """

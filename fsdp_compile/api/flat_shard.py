@@ -25,7 +25,7 @@ A unit is laid out flat when it has two or more parameters of one dtype and devi
 when ``fully_shard`` runs, and is no stacked block (``stack.py`` reads shards its own way) and holds no
 other unit. A unit that holds others (the root: embedding, final norm, output head) reads its parameters
 around theirs, so their gradients exist at the two ends of backward; kept apart, each stretch is
-reduce-scattered as soon as it exists (NOTE [gradients in stretches] in ``passes/lower/bucket.py``),
+reduce-scattered as soon as it exists (NOTE [gradients in stretches] in ``passes/lower/markers.py``),
 where one flat gradient would hold the output head's bucket until the embedding's gradient. A parameter
 frozen later is still read from the flat (its gradient computed and reduced, never handed out: freeze
 before ``fully_shard`` to save that work).

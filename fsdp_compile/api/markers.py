@@ -83,7 +83,7 @@ def shard_rows(dim0: int, world_size: int) -> int:
 
 
 # The two signatures below are NOTE [one marker spec] (``passes/graph_ops.py``), which the flat markers
-# and the passes follow; tests/test_passes_grouped.py checks that they agree.
+# and the passes follow; tests/test_passes_flat.py checks that they agree.
 @torch.library.custom_op(f"{_NAMESPACE}::unshard", mutates_args=())
 def unshard(
     shard: Tensor,

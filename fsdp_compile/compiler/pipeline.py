@@ -34,12 +34,8 @@ from fsdp_compile.passes.capture.hoist import hoist_unshards_pass
 from fsdp_compile.passes.capture.inline import inline_nested_pass, inline_subgraphs_pass
 from fsdp_compile.passes.capture.outline import outline_blocks_pass
 from fsdp_compile.passes.capture.unroll import unroll_scans_pass
-from fsdp_compile.passes.lower.bucket import bucket_pass
-from fsdp_compile.passes.lower.expand_markers import expand_markers_pass
-from fsdp_compile.passes.lower.grouped import lower_grouped_pass
-from fsdp_compile.passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
+from fsdp_compile.passes.lower.markers import lower_markers_pass
 from fsdp_compile.passes.lower.share import share_subgraphs_pass
-from fsdp_compile.passes.lower.tiles import tiles_pass
 from fsdp_compile.passes.schedule.absorb import absorb_copies_pass
 from fsdp_compile.passes.schedule.prefetch import prefetch_pass
 from fsdp_compile.passes.schedule.reduce_scatter import SCHEDULES, reduce_scatter_pass
@@ -186,17 +182,12 @@ CAPTURE: Stage = (
     ("name_markers", lambda c: _partial(name_markers, example_inputs=c.example_inputs)),  # NOTE [outlined units]
 )
 GROUPING: Stage = (
-    ("group_markers", lambda c: group_markers_pass),  # NOTE [flat markers]: lowered or split again below
+    ("group_markers", lambda c: group_markers_pass),  # NOTE [flat markers]
 )
 LOWERING: Stage = (
     ("share", lambda c: _partial(share_subgraphs_pass, recompile=False)),
-    ("lower_grouped", lambda c: _partial(lower_grouped_pass, elide_single_rank=c.options.elide_single_rank,
-                                         rank_of=c.rank_of(), alone_bytes=c.options.bucket_alone_bytes)),
-    ("expand_markers", lambda c: expand_markers_pass),  # NOTE [flat markers]
-    ("lower_unshard", lambda c: _partial(lower_unshard_pass, elide_single_rank=c.options.elide_single_rank)),
-    ("lower_reduce_grad", lambda c: _partial(lower_reduce_grad_pass, elide_single_rank=c.options.elide_single_rank)),
-    ("bucket", lambda c: _partial(bucket_pass, rank_of=c.rank_of(), alone_bytes=c.options.bucket_alone_bytes)),
-    ("tiles", lambda c: tiles_pass),  # NOTE [tiled gradients]
+    ("lower", lambda c: _partial(lower_markers_pass, elide_single_rank=c.options.elide_single_rank,
+                                 rank_of=c.rank_of(), alone_bytes=c.options.bucket_alone_bytes)),  # NOTE [one lowering]
 )
 SCHEDULING: Stage = (
     ("prefetch", lambda c: _partial(prefetch_pass, depth=c.chosen().prefetch, max_bytes=c.options.prefetch_bytes)),
@@ -210,18 +201,13 @@ FALLBACK: Stage = (
 )
 STAGES = (INPUTS, CAPTURE, GROUPING, LOWERING, SCHEDULING, FALLBACK)
 PASS_NAMES = tuple(name for stage in STAGES for name, _ in stage)
-# lower_grouped does what these do, in one step (NOTE [grouped lowering]): with one of them off, each runs apart.
-_GROUPED_STEPS = {"lower_unshard", "lower_reduce_grad", "bucket", "tiles"}
 
 
 def _switched_off(options: BackendOptions) -> set[str]:
-    """The passes not run under ``options``: ``disabled_passes``, ``outline`` where bodies are not kept,
-    ``lower_grouped`` where one of the steps it does at once is switched off."""
+    """The passes not run under ``options``: ``disabled_passes``, and ``outline`` where bodies are not kept."""
     off = set(options.disabled_passes)
     if not options.outlines():
         off.add("outline")
-    if off & _GROUPED_STEPS:
-        off.add("lower_grouped")
     return off
 
 

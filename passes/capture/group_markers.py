@@ -1,23 +1,21 @@
-"""One marker per flat unit per outlined call while AOTAutograd traces, the per-parameter markers again after.
+"""One marker per flat unit: per outlined call, and for the unit's inline reads.
 
 NOTE [flat markers]: a parameter read in compiled code is gathered by a marker of one of two forms.
 
 - Per parameter, ``fsdp::unshard`` / ``fsdp::reduce_grad`` (``fsdp_compile/api/markers.py``): what Dynamo
-  traces a read of a sharded parameter to. In each graph AOTAutograd hands on they are lowered one by
-  one (``lower/per_param.py``) and merged into one bucket per unit (``lower/bucket.py``).
-- Flat, ``fsdp::unshard_flat`` / ``fsdp::reduce_grad_flat`` (``passes/graph_ops.py``): one per unit and
-  outlined call, made here, for a unit whose shards are one flat tensor.
+  traces a read of a sharded parameter to.
+- Flat, ``fsdp::unshard_flat`` / ``fsdp::reduce_grad_flat`` (``passes/graph_ops.py``): every parameter of a
+  flat unit, made here.
 
-AOTAutograd's trace costs about the same per op whatever the op does (on the CPU here a marker's
-forward and backward cost what a multiply's do), and once blocks are outlined (NOTE [outlined units] in
-``fsdp_compile/api/module.py``) the per-parameter markers are most of what it traces per block: nine
-``fsdp::unshard`` before each call of a Llama block and nine ``fsdp::reduce_grad`` after its backward,
-against one call each way. ``fully_shard`` lays a unit's shards out as one flat tensor per rank (every
-shard a view of it, in the unit's order; NOTE [flat shards] in ``fsdp_compile/api/flat_shard.py``) and
-a compiled read of parameter ``i`` is the marker on a piece of it. When one outlined call reads every
-piece of a flat, its markers become one ``fsdp::unshard_flat`` of the flat itself
-(:func:`group_markers_pass`, :func:`group_flat`), whose backward is one ``fsdp::reduce_grad_flat``
-returning the flat's gradient::
+AOTAutograd's trace costs about the same per op whatever the op does, and once blocks are outlined (NOTE
+[outlined units] in ``fsdp_compile/api/module.py``) the per-parameter markers are most of what it traces
+per block: nine ``fsdp::unshard`` before each call of a Llama block and nine ``fsdp::reduce_grad`` after
+its backward, against one call each way. ``fully_shard`` lays a unit's shards out as one flat tensor per
+rank (every shard a view of it, in the unit's order; NOTE [flat shards] in
+``fsdp_compile/api/flat_shard.py``) and a compiled read of parameter ``i`` is the marker on a piece of
+it. When the markers one outlined call reads, or the markers read outside any call, read every piece of
+a flat once, they become one ``fsdp::unshard_flat`` of the flat itself (:func:`group_flat`), before the
+first of them, whose backward is one ``fsdp::reduce_grad_flat`` returning the flat's gradient::
 
     before: w_a = unshard(view(narrow(flat, 0, 0, n_a), s_a), ...)
             w_b = unshard(view(narrow(flat, 0, n_a, n_b), s_b), ...)
@@ -25,18 +23,15 @@ returning the flat's gradient::
     after:  ws = unshard_flat(flat, [s_a, s_b], [full_a, full_b], "a\\nb", ...); w_a = ws[0]; w_b = ws[1]
             invoke_subgraph(body, x, w_a, w_b)
 
-So AOTAutograd traces one op each way per unit and call, the all-gather packs the flat in one copy, and
-the reduce-scatter's output *is* the flat's gradient, where AOTAutograd would otherwise rebuild it from
-the pieces' gradients (a zero tensor and a ``slice_scatter`` and an add per piece: NOTE [tiled gradients]
-in ``lower/tiles.py``). In each graph AOTAutograd hands on, a flat marker that is all of its unit
-becomes the unit's bucket at once (NOTE [grouped lowering] in ``lower/grouped.py``); any other is split
-back (``expand_markers_pass`` in ``lower/expand_markers.py``) into the per-parameter markers on views of
-the flat and a ``cat`` of their gradients, with the same arguments and in the same order.
+So AOTAutograd traces one op each way per unit and call, the all-gather sends the flat as it is, and the
+reduce-scatter's output *is* the flat's gradient, where AOTAutograd would otherwise build it from the
+pieces' gradients (a zero tensor, and a ``slice_scatter`` and an add per piece). ``lower/markers.py``
+lowers both forms (NOTE [one lowering]).
 
 A unit whose shards are not one flat (``fully_shard(flat=False)``, one parameter, mixed dtypes or
 devices, a parameter frozen at ``fully_shard`` time, a ``BlockStack``: ``flatten_unit`` in
-``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers: the same buckets in the end, more
-ops for AOTAutograd to trace.
+``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers, and so does a flat read other than
+once per piece (a block called twice inline): the same buckets in the end, more ops to trace.
 
 A flat marker carries the per-parameter markers' arguments: the shapes flattened (``flatten_shapes``),
 the names joined by ``NAMES_SEP`` (an op's schema takes no nested int lists and no string lists), every
@@ -46,7 +41,7 @@ other argument shared.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, fx
@@ -59,12 +54,12 @@ __all__ = ["group_markers_pass"]
 _SHARED = arg_names(UNSHARD_SHARED)  # alike for every marker one flat marker replaces (NOTE [one marker spec])
 
 
-def _groupable(marker: fx.Node, call: fx.Node) -> bool:
-    """A named marker, without an accumulator, that only this call reads, of a piece of a flat shard
-    with a value."""
+def _groupable(marker: fx.Node, reader: Callable[[fx.Node], bool]) -> bool:
+    """A named marker, without an accumulator, read only by readers ``reader`` accepts, of a piece of a
+    flat shard with a value."""
     a = UnshardArgs.of(marker)
     return (a.accumulate is None and NAMES_SEP not in a.name and flat_piece(a.shard) is not None
-            and isinstance(_value(a.shard), Tensor) and all(u is call for u in marker.users))
+            and isinstance(_value(a.shard), Tensor) and all(reader(u) for u in marker.users))
 
 
 def _value(node: fx.Node) -> object:
@@ -72,20 +67,25 @@ def _value(node: fx.Node) -> object:
 
 
 def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """(NOTE [flat markers]) The markers each ``invoke_subgraph`` call reads (of one unit, with every
-    argument but the shard, the shape and the name alike) become one ``fsdp::unshard_flat`` when they
-    read every piece of one flat shard; any other marker is left as it is."""
+    """(NOTE [flat markers]) The markers each ``invoke_subgraph`` call reads, and those no call reads,
+    (of one unit, with every argument but the shard, the shape and the name alike) become one
+    ``fsdp::unshard_flat`` when they read every piece of one flat shard once; any other marker is left
+    as it is."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    calls = list(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
+    sets = [[a for a in dict.fromkeys(call.args[2:]) if isinstance(a, fx.Node) and is_unshard(a)
+             and _groupable(a, lambda u, call=call: u is call)] for call in calls]
+    called = set(calls)
+    sets.append([n for n in gm.graph.nodes if is_unshard(n) and _groupable(n, lambda u: u not in called)])
     changed = False
-    for call in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+    for markers in sets:
         groups: dict[tuple, list[fx.Node]] = {}
-        for arg in dict.fromkeys(a for a in call.args[2:] if isinstance(a, fx.Node)):
-            if is_unshard(arg) and _groupable(arg, call):
-                a = UnshardArgs.of(arg)
-                key = (*(getattr(a, k) for k in _SHARED), _value(a.shard).dtype)  # type: ignore[union-attr]
-                groups.setdefault(key, []).append(arg)
-        for key, markers in groups.items():
-            if len(markers) > 1 and group_flat(gm, markers, order, list(key[:-1])):
+        for marker in markers:
+            a = UnshardArgs.of(marker)
+            key = (flat_piece(a.shard)[0], *(getattr(a, k) for k in _SHARED), _value(a.shard).dtype)  # type: ignore[index, union-attr]
+            groups.setdefault(key, []).append(marker)
+        for key, group in groups.items():
+            if len(group) > 1 and group_flat(gm, group, order, list(key[1:-1])):
                 changed = True
     if changed:
         gm.graph.lint()

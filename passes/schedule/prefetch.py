@@ -2,7 +2,7 @@
 
 Units are taken in the order their gathered params are first used, which is forward order in the
 forward graph and reverse order in the backward graph, so one rule serves both. A unit with several
-all-gathers (NOTE [large params alone] in ``lower/bucket.py``) moves them together: depth counts *groups*,
+all-gathers (NOTE [large params alone] in ``lower/markers.py``) moves them together: depth counts *groups*,
 each a run of consecutive all-gathers (by first use) of one unit, so a unit used in two places (a root
 holding the embedding and the output head) is gathered in two groups, each as late as its use allows::
 

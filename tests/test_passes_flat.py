@@ -1,8 +1,8 @@
-"""Flat markers (NOTE [flat markers]): ``group_markers_pass`` makes one of the markers an outlined call reads
-of a flat unit and leaves a unit not laid out flat its per-parameter markers; ``lower_grouped_pass`` (NOTE
-[grouped lowering]) lowers a flat marker straight to its unit's bucket, the buckets that expanding, lowering
-each parameter and bucketing give, and leaves it alone wherever that path would give something else. Small
-hand-built graphs, no process group."""
+"""Flat markers (NOTE [flat markers]): ``group_markers_pass`` makes one of the markers an outlined call, or a
+unit's inline code, reads of a flat unit and leaves a unit not laid out flat its per-parameter markers;
+``lower_markers_pass`` (NOTE [one lowering]) lowers a flat marker to its unit's bucket: the flat gathered as
+it is, the reduce-scatter's output the flat's gradient, each as the markers' eager bodies compute on two
+simulated ranks. Small hand-built graphs, no process group."""
 
 from __future__ import annotations
 
@@ -22,11 +22,7 @@ from fsdp_compile.passes.graph_ops import (
     arg_names,
     flatten_shapes,
 )
-from fsdp_compile.passes.lower.bucket import bucket_pass
-from fsdp_compile.passes.lower.expand_markers import expand_markers_pass
-from fsdp_compile.passes.lower.grouped import lower_grouped_pass
-from fsdp_compile.passes.lower.per_param import lower_reduce_grad_pass, lower_unshard_pass
-from fsdp_compile.passes.lower.tiles import tiles_pass
+from fsdp_compile.passes.lower.markers import lower_markers_pass
 from fsdp_compile.passes.predicates import (
     ReduceGradArgs,
     UnshardArgs,
@@ -116,83 +112,50 @@ def _backward(world: int = 2, reduce_dtype: torch.dtype | None = None) -> fx.Gra
     return trace(fn, ints(2, WIDTH), ints(UNITS, 2, WIDTH), *_flats(world))
 
 
-def _per_parameter(gm: fx.GraphModule, *, elide_single_rank: bool = True, **bucket: object) -> fx.GraphModule:
-    """The path without the shortcut: expand, lower each parameter, bucket, tiles."""
-    gm = valid(expand_markers_pass(gm))
-    gm = valid(lower_unshard_pass(gm, elide_single_rank=elide_single_rank))
-    gm = valid(lower_reduce_grad_pass(gm, elide_single_rank=elide_single_rank))
-    return valid(tiles_pass(valid(bucket_pass(gm, **bucket))))  # type: ignore[arg-type]
-
-
-def _direct(gm: fx.GraphModule, **options: object) -> fx.GraphModule:
-    return _per_parameter(valid(lower_grouped_pass(gm, **options)), **options)  # type: ignore[arg-type]
-
-
-def _normal(gm: fx.GraphModule) -> list[str]:
-    """Every node with its inputs by position, fake value and annotations: equal lists are the same graph
-    up to node names."""
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    rows = []
-    for n in gm.graph.nodes:
-        args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
-        v = n.meta.get("val")
-        shape = (tuple(v.shape), v.dtype) if isinstance(v, Tensor) else None
-        rows.append(f"{n.op} {n.target} {args} {shape} {sorted(fsdp_meta(n).items())}")
-    return rows
+def _lowered(gm: fx.GraphModule, **options: object) -> fx.GraphModule:
+    return valid(lower_markers_pass(gm, **options))  # type: ignore[arg-type]
 
 
 def _flat_markers(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if is_flat_unshard(n) or is_flat_reduce_grad(n)]
 
 
-def _but_cut_and_joined(gm: fx.GraphModule) -> list[str]:
-    """``ops(gm)`` without each ``cat`` and the views only it reads: the per-parameter path's end of a
-    flat's reduce-scatter, the bucket's output cut into members and joined again."""
-    aten = torch.ops.aten
-    dropped: set[fx.Node] = set()
-    stack = list(gm.graph.find_nodes(op="call_function", target=aten.cat.default))
-    while stack:
-        n = stack.pop()
-        dropped.add(n)
-        stack += [i for i in n.all_input_nodes if i.target in (aten.as_strided.default, aten.view.default)
-                  and set(i.users) <= dropped]
-    return [getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in gm.graph.nodes
-            if n.op == "call_function" and n not in dropped]
+def _markers(gm: fx.GraphModule) -> list[fx.Node]:
+    return _flat_markers(gm) + [n for n in gm.graph.nodes if is_unshard(n) or is_reduce_grad(n)]
 
 
-class TestLowerGrouped(TestCase):
-    def _same_as_per_parameter(self, make: Callable[[], fx.GraphModule], **options: object) -> fx.GraphModule:
-        want = _per_parameter(make(), **options)  # type: ignore[arg-type]
-        got = _direct(make(), **options)
-        self.assertEqual(_normal(got), _normal(want))
-        reference = valid(expand_markers_pass(make()))  # the markers' eager bodies, on the simulated ranks
-        assert_same(run(got), run(reference))
+class TestLowerFlat(TestCase):
+    def _as_eager(self, make: Callable[[], fx.GraphModule], **options: object) -> fx.GraphModule:
+        """Lowered: no marker left, the numbers of the markers' eager bodies on the simulated ranks."""
+        got = _lowered(make(), **options)
+        self.assertEqual(_markers(got), [])
+        assert_same(run(got), run(make()))
         return got
 
-    def test_the_gather_bucket_is_what_lowering_and_bucketing_give(self) -> None:
+    def test_a_flat_is_gathered_as_it_is(self) -> None:
+        """(NOTE [a flat gathers as it is]) One all-gather of the flat itself per unit; in bf16 the cast
+        packs it (in place, given the rank)."""
         for world in (1, 2):
             for rank_of in (None, lambda group: 0):
-                self._same_as_per_parameter(lambda world=world: _forward(world), rank_of=rank_of,
-                                            elide_single_rank=False)
-        self._same_as_per_parameter(lambda: _forward(param_dtype=torch.bfloat16))
+                gm = self._as_eager(lambda world=world: _forward(world), rank_of=rank_of, elide_single_rank=False)
+                flats = [n for n in gm.graph.nodes if n.op == "placeholder"][1:]
+                self.assertEqual([ag.args[0] for ag in gathers(gm)], flats)
+                self.assertEqual([fsdp_meta(ag)["params"] for ag in gathers(gm)], [[f"w{k}", f"b{k}"] for k in range(UNITS)])
+        gm = self._as_eager(lambda: _forward(param_dtype=torch.bfloat16), rank_of=lambda group: 0)
+        self.assertEqual(ops(gm).count("pack_shards"), UNITS)
 
     def test_the_flat_gradient_is_the_reduce_scatter_output_whole(self) -> None:
-        """The per-parameter path gives the same collectives, then cuts the bucket's output into members
-        and joins them again; lowered at once, the output is the flat's gradient as it is."""
         for world, reduce_dtype in ((1, None), (2, None), (2, torch.bfloat16)):
-            options = {"rank_of": lambda group: 0, "elide_single_rank": False}
-            want = _per_parameter(_backward(world, reduce_dtype), **options)  # type: ignore[arg-type]
-            got = _direct(_backward(world, reduce_dtype), **options)
-            self.assertEqual(ops(got), _but_cut_and_joined(want))
-            self.assertEqual([sorted(fsdp_meta(n).items()) for n in launches(got)],
-                             [sorted(fsdp_meta(n).items()) for n in launches(want)])
-            assert_same(run(got), run(want))
-            assert_same(run(got), run(valid(expand_markers_pass(_backward(world, reduce_dtype)))))
+            gm = self._as_eager(lambda: _backward(world, reduce_dtype), rank_of=lambda group: 0,
+                                elide_single_rank=False)
+            self.assertNotIn("cat", ops(gm))
+            self.assertEqual(len(scatters(gm)), UNITS)
+            outputs = gm.graph.output_node().args[0][1:]
+            self.assertTrue(all(o.target in (torch.ops.aten.div.Tensor, torch.ops._c10d_functional.wait_tensor.default,
+                                             torch.ops.prims.convert_element_type.default) for o in outputs))
 
     def test_no_per_parameter_collective_is_made(self) -> None:
-        gm = valid(lower_grouped_pass(_backward(), rank_of=lambda group: 0))
-        self.assertEqual(_flat_markers(gm), [])
-        self.assertFalse([n for n in gm.graph.nodes if is_unshard(n) or is_reduce_grad(n)])
+        gm = _lowered(_backward(), rank_of=lambda group: 0)
         self.assertEqual((len(gathers(gm)), len(scatters(gm))), (UNITS, UNITS))
         self.assertEqual([fsdp_meta(n)["params"] for n in launches(gm)],
                          [["w2", "b2"], ["w2", "b2"], ["w1", "b1"], ["w1", "b1"], ["w0", "b0"], ["w0", "b0"]])
@@ -203,21 +166,24 @@ class TestLowerGrouped(TestCase):
 all_gather_into_tensor wait_tensor copy_out_rows getitem getitem select t mm sum pack_rows reduce_scatter_tensor \
 wait_tensor div t mm""")
 
-    def test_left_alone_where_the_per_parameter_path_gives_something_else(self) -> None:
+    def test_every_flat_marker_is_lowered_here(self) -> None:
         cases: dict[str, tuple[Callable[[], fx.GraphModule], dict[str, object], int]] = {
-            "unit 1 has a marker of its own too": (lambda: _forward(loose=True), {}, 1),
-            "unit 2's b is never read": (lambda: _forward(unread=True), {}, 1),
-            "a world of one, its collectives elided": (lambda: _forward(1), {}, UNITS),
-            "the weights keep collectives of their own": (_forward, {"alone_bytes": 200}, UNITS),
+            "unit 1 has a marker of its own too": (lambda: _forward(loose=True), {}, UNITS + 1),
+            "unit 2's b is never read: its w alone is packed": (lambda: _forward(unread=True), {}, UNITS),
+            "a world of one, its collectives elided": (lambda: _forward(1), {}, 0),
+            "the weights keep collectives of their own": (_forward, {"alone_bytes": 200}, 2 * UNITS),
         }
-        for why, (make, bucket, left) in cases.items():
+        for why, (make, options, collectives) in cases.items():
             with self.subTest(why):
-                kept = lower_grouped_pass(make(), **bucket)  # type: ignore[arg-type]
-                self.assertEqual(len(_flat_markers(kept)), left)
-                self._same_as_per_parameter(make, **bucket)
+                gm = self._as_eager(make, **options)
+                self.assertEqual(len(gathers(gm)), collectives)
+        gm = _lowered(_forward(unread=True))
+        self.assertEqual([fsdp_meta(ag)["params"] for ag in gathers(gm)][-1], ["w2"])
+        gm = self._as_eager(lambda: _backward(reduce_dtype=None), alone_bytes=200)  # pieces alone, joined
+        self.assertEqual((len(scatters(gm)), ops(gm).count("cat")), (2 * UNITS, UNITS))
 
 
-def _outlined_call(flat: bool) -> fx.GraphModule:
+def _outlined_call(flat: bool, inline: bool = False, twice: bool = False) -> fx.GraphModule:
     """One outlined call as Dynamo hands it on, its markers hoisted out of the body::
 
         w = unshard(s_w, ...); b = unshard(s_b, ...); invoke_subgraph(body, "block", x, w, b)
@@ -243,7 +209,13 @@ def _outlined_call(flat: bool) -> fx.GraphModule:
     w, b = (valued(graph.call_function(torch.ops.fsdp.unshard.default,
                                        (s, full, 2, 0, name, "ag", "rs", "", 1, True, None, None)), full)
             for s, full, name in ((s_w, [WIDTH, WIDTH], "w"), (s_b, [WIDTH], "b")))
-    call = graph.call_function(torch.ops.higher_order.invoke_subgraph, (graph.get_attr("body"), "block", x, w, b))
+    if inline:  # the unit's code in the graph itself (``twice``: w read by a second marker too)
+        if twice:
+            w = graph.call_function(torch.add, (w, valued(graph.call_function(torch.ops.fsdp.unshard.default, (
+                s_w, [WIDTH, WIDTH], 2, 0, "w", "ag", "rs", "", 1, True, None, None)), [WIDTH, WIDTH])))
+        call = graph.call_function(torch.add, (graph.call_function(torch.matmul, (x, w)), b))
+    else:
+        call = graph.call_function(torch.ops.higher_order.invoke_subgraph, (graph.get_attr("body"), "block", x, w, b))
     graph.output((call,))
     root = torch.nn.Module()
     root.body = fx.symbolic_trace(lambda x, w, b: (torch.relu(x @ w + b),))  # type: ignore[assignment]
@@ -259,6 +231,14 @@ class TestGroupMarkers(TestCase):
         (call,) = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
         self.assertEqual([(a.args[0], a.args[1]) for a in call.args[3:]], [(marker, 0), (marker, 1)])
         self.assertEqual(marker.args[5], NAMES_SEP.join(["w", "b"]))
+
+    def test_inline_reads_of_a_flat_unit_become_one_flat_marker(self) -> None:
+        gm = group_markers_pass(_outlined_call(flat=True, inline=True))
+        (marker,) = _flat_markers(gm)
+        self.assertEqual(marker.args[0].name, "flat")
+        self.assertFalse([n for n in gm.graph.nodes if is_unshard(n)])
+        gm = group_markers_pass(_outlined_call(flat=True, inline=True, twice=True))  # w's piece read twice
+        self.assertEqual((_flat_markers(gm), len([n for n in gm.graph.nodes if is_unshard(n)])), ([], 3))
 
     def test_a_unit_not_laid_out_flat_keeps_its_per_parameter_markers(self) -> None:
         before = [str(n.format_node()) for n in _outlined_call(flat=False).graph.nodes]

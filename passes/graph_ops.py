@@ -1,7 +1,8 @@
-"""The ``fsdp::`` ops that the passes put into graphs; the two per-parameter markers they start from,
-``fsdp::unshard`` and ``fsdp::reduce_grad``, are ``fsdp_compile/api/markers.py``'s.
+"""The ``fsdp::`` ops of the graphs: the markers' schemas and the ops the passes put in.
 
-- The markers' arguments, once (NOTE [one marker spec] below), which every marker op follows.
+- The markers' arguments, once (NOTE [one marker spec] below), from which every marker's schema is
+  built; the per-parameter markers ``fsdp::unshard`` and ``fsdp::reduce_grad`` get their kernels in
+  ``fsdp_compile/api/markers.py``.
 - Flat markers: ``unshard_flat`` / ``reduce_grad_flat`` (NOTE [flat markers] in ``capture/group_markers.py``):
   one op for every parameter of a flat unit that one outlined call reads, defined from the spec; their
   eager implementations call the per-parameter markers.
@@ -54,12 +55,11 @@ def numel(shape: Sequence[int]) -> int:
 
 Spec = tuple[tuple[str, str], ...]  # (name, schema type) of each argument, in order
 
-# NOTE [one marker spec]: the arguments of the two markers, written once. ``fsdp_compile/api/markers.py`` defines
-# ``fsdp::unshard`` and ``fsdp::reduce_grad`` with Python signatures (``torch.library.custom_op`` reads
-# them; tests/test_passes_flat.py checks them against these); the flat markers below take the
-# per-parameter arguments as lists and the ``*_SHARED`` ones once, their schemas built from here; the
-# fakes, backwards and passes read arguments by these names (``by_name``, ``in_order``,
-# ``predicates.UnshardArgs``).
+# NOTE [one marker spec]: the arguments of the markers, written once. The schemas of ``fsdp::unshard`` and
+# ``fsdp::reduce_grad`` (whose kernels ``fsdp_compile/api/markers.py`` registers) are these; the flat
+# markers below take the per-parameter arguments as lists and the ``*_SHARED`` ones once. Kernels, fakes,
+# backwards and passes read arguments by these names (``by_name``, ``in_order``,
+# ``predicates.marker_args``); ``fully_shard`` builds a read's arguments by name too.
 UNSHARD_ARGS: Spec = (
     ("shard", "Tensor"), ("full_shape", "SymInt[]"), ("world_size", "SymInt"), ("unit", "SymInt"), ("name", "str"),
     ("ag_group", "str"), ("rs_group", "str"), ("replicate_group", "str"), ("replicate_size", "SymInt"),
@@ -90,21 +90,28 @@ def in_order(spec: Spec, **values: object) -> tuple[object, ...]:
     return tuple(values[name] for name in arg_names(spec))
 
 
-def _define(qualname: str, per_param: str, shared: Spec, returns: str) -> None:
-    """Define a flat marker: its per-parameter arguments, then ``shared``, as one schema."""
-    args = ", ".join([per_param, *(f"{type_} {name}" for name, type_ in shared)])
+def _schema(spec: Spec) -> str:
+    """``spec`` as a schema's arguments; a last optional tensor defaults to ``None``."""
+    args = [f"{type_} {name}" for name, type_ in spec]
+    return ", ".join(args[:-1] + [args[-1] + ("=None" if spec[-1][1] == "Tensor?" else "")])
+
+
+def _define(qualname: str, args: str, returns: str) -> None:
     torch.library.define(qualname, f"({args}) -> {returns}", tags=(torch.Tag.pt2_compliant_tag,))
+
+
+_define("fsdp::unshard", _schema(UNSHARD_ARGS), "Tensor")
+_define("fsdp::reduce_grad", _schema(REDUCE_GRAD_ARGS), "Tensor")
 
 
 # ---------------------------------------------------------------------------------------------
 # Flat markers: every parameter of a flat unit one call reads
 # ---------------------------------------------------------------------------------------------
 
-_define("fsdp::unshard_flat",
-        "Tensor flat, SymInt[] shard_ranks, SymInt[] shard_dims, SymInt[] ranks, SymInt[] dims, str names",
-        UNSHARD_SHARED, "Tensor[]")
-_define("fsdp::reduce_grad_flat", "Tensor[] grads, SymInt[] shard_ranks, SymInt[] shard_dims, str names",
-        REDUCE_GRAD_SHARED, "Tensor")
+_define("fsdp::unshard_flat", "Tensor flat, SymInt[] shard_ranks, SymInt[] shard_dims, SymInt[] ranks, SymInt[] dims, "
+        f"str names, {_schema(UNSHARD_SHARED)}", "Tensor[]")
+_define("fsdp::reduce_grad_flat", f"Tensor[] grads, SymInt[] shard_ranks, SymInt[] shard_dims, str names, "
+        f"{_schema(REDUCE_GRAD_SHARED)}", "Tensor")
 
 
 def _unshard_each(shards: Sequence[Tensor], shapes: Sequence[list[int]], names: str,

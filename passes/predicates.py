@@ -7,7 +7,7 @@ package needs nothing from ``fsdp_compile``: graphs are read through their op ar
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor, fx
@@ -15,8 +15,7 @@ from torch import Tensor, fx
 from ._compat import OpOverloadPacket
 
 __all__ = [
-    "UnshardArgs",
-    "ReduceGradArgs",
+    "marker_args",
     "is_unshard",
     "is_reduce_grad",
     "is_flat_unshard",
@@ -159,52 +158,12 @@ def tensor_bytes(node: fx.Node) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class UnshardArgs:
-    """The arguments of ``fsdp::unshard``, by name: ``graph_ops.UNSHARD_ARGS`` (NOTE [one marker spec])."""
-
-    shard: fx.Node
-    full_shape: tuple[int, ...]
-    world_size: int
-    unit: int
-    name: str
-    ag_group: str
-    rs_group: str
-    replicate_group: str
-    replicate_size: int
-    reshard: bool
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-    accumulate: fx.Node | None = None  # gradient accumulation without communication
-
-    @classmethod
-    def of(cls, node: fx.Node) -> UnshardArgs:
-        assert is_unshard(node), node
-        args = schema_args(node)
-        return cls(**{**args, "full_shape": tuple(args["full_shape"])})
-
-
-@dataclass(frozen=True)
-class ReduceGradArgs:
-    """The arguments of ``fsdp::reduce_grad``, by name: ``graph_ops.REDUCE_GRAD_ARGS`` (NOTE [one marker spec])."""
-
-    grad: fx.Node
-    shard_shape: tuple[int, ...]
-    world_size: int
-    unit: int
-    name: str
-    ag_group: str
-    rs_group: str
-    replicate_group: str
-    replicate_size: int
-    reduce_dtype: torch.dtype | None
-    out_dtype: torch.dtype
-
-    @classmethod
-    def of(cls, node: fx.Node) -> ReduceGradArgs:
-        assert is_reduce_grad(node), node
-        args = schema_args(node)
-        return cls(**{**args, "shard_shape": tuple(args["shard_shape"])})
+def marker_args(node: fx.Node) -> SimpleNamespace:
+    """A marker's arguments (``fsdp::unshard``, ``fsdp::reduce_grad`` or a flat marker) as attributes named
+    as in its schema, which ``graph_ops`` builds from the one marker spec (NOTE [one marker spec]):
+    ``marker_args(node).unit``."""
+    assert is_unshard(node) or is_reduce_grad(node) or is_flat_unshard(node) or is_flat_reduce_grad(node), node
+    return SimpleNamespace(**schema_args(node))
 
 
 def schema_args(node: fx.Node) -> dict[str, object]:

@@ -19,7 +19,7 @@ from fsdp_compile.inspection.schedule import graph_group_labels, group_labels, l
 from fsdp_compile.passes.capture.hoist import hoist_unshards_pass
 from fsdp_compile.passes.capture.inline import inline_subgraphs_pass
 from fsdp_compile.passes.capture.outline import outline_blocks_pass
-from fsdp_compile.passes.predicates import UnshardArgs, is_all_gather, is_collective, is_unshard
+from fsdp_compile.passes.predicates import marker_args, is_all_gather, is_collective, is_unshard
 
 from .workers import MODELS, TINY
 from .graph_utils import SMALL, FakeWorldTestCase, ThreeUnits, capture, gathered_values, shard_blocks_then_root
@@ -111,7 +111,7 @@ class OutlineTest(FakeWorldTestCase):
         self.assertEqual(len({n.args[0].target for n in invokes}), 1)  # ... of one body
         body = getattr(gm, invokes[0].args[0].target)
         # Inside the body the markers carry no unit and no name: every block traces alike.
-        inside = [UnshardArgs.of(n) for n in body.graph.nodes if is_unshard(n)]
+        inside = [marker_args(n) for n in body.graph.nodes if is_unshard(n)]
         self.assertEqual({(a.unit, a.name) for a in inside}, {(-1, "")})
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")

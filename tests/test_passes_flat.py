@@ -24,13 +24,12 @@ from fsdp_compile.passes.graph_ops import (
 )
 from fsdp_compile.passes.lower.markers import lower_markers_pass
 from fsdp_compile.passes.predicates import (
-    ReduceGradArgs,
-    UnshardArgs,
     fsdp_meta,
     is_flat_reduce_grad,
     is_flat_unshard,
     is_reduce_grad,
     is_unshard,
+    marker_args,
 )
 
 from .pass_graphs import (
@@ -244,22 +243,22 @@ class TestGroupMarkers(TestCase):
         before = [str(n.format_node()) for n in _outlined_call(flat=False).graph.nodes]
         gm = group_markers_pass(_outlined_call(flat=False))
         self.assertEqual([str(n.format_node()) for n in gm.graph.nodes], before)
-        self.assertEqual([UnshardArgs.of(n).name for n in gm.graph.nodes if is_unshard(n)], ["w", "b"])
+        self.assertEqual([marker_args(n).name for n in gm.graph.nodes if is_unshard(n)], ["w", "b"])
 
 
 def test_every_marker_follows_the_one_marker_spec() -> None:
-    """(NOTE [one marker spec]) The markers' Python signatures (fsdp_compile/api/markers.py, which
-    ``torch.library.custom_op`` needs) and the readers ``UnshardArgs`` / ``ReduceGradArgs`` name the
-    arguments of ``UNSHARD_ARGS`` / ``REDUCE_GRAD_ARGS``, in order and with those schema types; the
-    flat markers end with the shared ones."""
+    """(NOTE [one marker spec]) The markers' schemas name the arguments of ``UNSHARD_ARGS`` /
+    ``REDUCE_GRAD_ARGS``, in order and with those types; the flat markers end with the shared ones; the
+    reader ``marker_args`` and the arguments ``fully_shard`` builds for a read use those names."""
     def spelled(spec: tuple[tuple[str, str], ...]) -> str:
         return ", ".join(f"{type_} {name}" for name, type_ in spec)
 
     assert str(torch.ops.fsdp.unshard.default._schema).replace("=None", "") == (
         f"fsdp::unshard({spelled(UNSHARD_ARGS)}) -> Tensor")
     assert str(torch.ops.fsdp.reduce_grad.default._schema) == f"fsdp::reduce_grad({spelled(REDUCE_GRAD_ARGS)}) -> Tensor"
-    assert tuple(UnshardArgs.__dataclass_fields__) == arg_names(UNSHARD_ARGS)
-    assert tuple(ReduceGradArgs.__dataclass_fields__) == arg_names(REDUCE_GRAD_ARGS)
     for op, shared in [(torch.ops.fsdp.unshard_flat, UNSHARD_SHARED),
                        (torch.ops.fsdp.reduce_grad_flat, REDUCE_GRAD_SHARED)]:
         assert str(op.default._schema).split(") -> ")[0].endswith(spelled(shared)), op
+    gm = _outlined_call(flat=False)
+    marker = next(n for n in gm.graph.nodes if is_unshard(n))
+    assert tuple(vars(marker_args(marker))) == arg_names(UNSHARD_ARGS)

@@ -35,8 +35,6 @@ from fsdp_compile.passes.graph_ops import REDUCE_GRAD_ARGS, UNSHARD_ARGS, by_nam
 
 __all__ = ["ANONYMOUS_UNIT", "unshard", "reduce_grad", "reduce_full_grad", "shard_rows"]
 
-_NAMESPACE = "fsdp"
-
 # The unit argument of a marker traced inside an outlined unit's forward, which every unit of its kind
 # shares: the backend fills in the unit (and the name, traced as "") from the shard
 # (NOTE [outlined units] in module.py).
@@ -82,25 +80,12 @@ def shard_rows(dim0: int, world_size: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-# The two signatures below are NOTE [one marker spec] (``passes/graph_ops.py``), which the flat markers
-# and the passes follow; tests/test_passes_flat.py checks that they agree.
-@torch.library.custom_op(f"{_NAMESPACE}::unshard", mutates_args=())
-def unshard(
-    shard: Tensor,
-    full_shape: list[int],
-    world_size: int,
-    unit: int,
-    name: str,
-    ag_group: str,
-    rs_group: str,
-    replicate_group: str,
-    replicate_size: int,
-    reshard: bool,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    accumulate: Tensor | None = None,
-) -> Tensor:
-    """Gather the full parameter ``name`` of ``unit`` from every rank's dim-0 shard.
+# The schemas are built from NOTE [one marker spec] (``passes/graph_ops.py``); the kernels read their
+# arguments by those names.
+def unshard(*args: Any) -> Tensor:
+    """``fsdp::unshard(shard, full_shape, world_size, unit, name, ag_group, rs_group, replicate_group,
+    replicate_size, reshard, param_dtype, reduce_dtype, accumulate=None)``: gather the full parameter
+    ``name`` of ``unit`` from every rank's dim-0 shard.
 
     ``shard`` has ``shard_rows(full_shape[0], world_size)`` rows; the result has ``full_shape`` and
     ``param_dtype`` (the shard's dtype when ``None``): the cast happens before the gather. The other
@@ -110,9 +95,12 @@ def unshard(
     leaf whose ``.grad`` receives the full gradient instead; the shard gets none and nothing is reduced.
     """
     _warn_slow_path()
+    a = by_name(UNSHARD_ARGS, args)
+    shard, param_dtype, world_size = a["shard"], a["param_dtype"], a["world_size"]
+    full_shape = list(a["full_shape"])
     x = shard if param_dtype is None else shard.to(param_dtype)  # the cast: a shard, before the gather
     if world_size > 1:
-        return _full_of(_gather_eagerly(x, world_size, ag_group, name), full_shape)
+        return _full_of(_gather_eagerly(x, world_size, a["ag_group"], a["name"]), full_shape)
     return _full_of(x, full_shape) if x is not shard else x.reshape(full_shape).clone()  # (no alias of the input)
 
 
@@ -137,7 +125,6 @@ def _gather_eagerly(x: Tensor, world_size: int, group: str, name: str) -> Tensor
         ) from e
 
 
-@unshard.register_fake
 def _unshard_fake(shard: Tensor, full_shape: list[int], *args: object) -> Tensor:
     param_dtype = by_name(UNSHARD_ARGS, (shard, full_shape, *args))["param_dtype"]
     return shard.new_empty(full_shape, dtype=param_dtype or shard.dtype)  # type: ignore[arg-type]
@@ -158,10 +145,12 @@ def _unshard_backward(ctx: Any, grad: Tensor) -> tuple:
         # No communication: the full gradient goes to the accumulation leaf, in the shard's dtype.
         return no_grads + (grad.to(ctx.shard_dtype),)
     values = {**ctx.args, "grad": grad, "shard_shape": ctx.shard_shape, "out_dtype": ctx.shard_dtype}
-    return (reduce_grad(*in_order(REDUCE_GRAD_ARGS, **values)),) + no_grads
+    return (torch.ops.fsdp.reduce_grad(*in_order(REDUCE_GRAD_ARGS, **values)),) + no_grads
 
 
-unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+torch.library.impl("fsdp::unshard", "CompositeExplicitAutograd")(unshard)
+torch.library.register_fake("fsdp::unshard")(_unshard_fake)
+torch.library.register_autograd("fsdp::unshard", _unshard_backward, setup_context=_unshard_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,21 +158,10 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_NAMESPACE}::reduce_grad", mutates_args=())
-def reduce_grad(
-    grad: Tensor,
-    shard_shape: list[int],
-    world_size: int,
-    unit: int,
-    name: str,
-    ag_group: str,
-    rs_group: str,
-    replicate_group: str,
-    replicate_size: int,
-    reduce_dtype: torch.dtype | None,
-    out_dtype: torch.dtype,
-) -> Tensor:
-    """Average the full gradient of ``name`` over all data-parallel ranks and keep this rank's shard.
+def reduce_grad(*args: Any) -> Tensor:
+    """``fsdp::reduce_grad(grad, shard_shape, world_size, unit, name, ag_group, rs_group, replicate_group,
+    replicate_size, reduce_dtype, out_dtype)``: average the full gradient of ``name`` over all
+    data-parallel ranks and keep this rank's shard.
 
     The gradient is cast to ``reduce_dtype`` (when given), padded to ``world_size`` shards, summed with
     a reduce-scatter on ``rs_group``, all-reduced over ``replicate_group`` when one is named (HSDP),
@@ -191,8 +169,9 @@ def reduce_grad(
     the passes whether the two collectives share a communicator.
     """
     _warn_slow_path()
-    return reduce_full_grad(grad, shard_shape, world_size, rs_group, replicate_group, replicate_size,
-                            reduce_dtype, out_dtype)
+    a = by_name(REDUCE_GRAD_ARGS, args)
+    return reduce_full_grad(a["grad"], list(a["shard_shape"]), a["world_size"], a["rs_group"], a["replicate_group"],
+                            a["replicate_size"], a["reduce_dtype"], a["out_dtype"])
 
 
 def reduce_full_grad(
@@ -223,8 +202,11 @@ def reduce_full_grad(
     return g.to(out_dtype).reshape(shard_shape)
 
 
-@reduce_grad.register_fake
 def _reduce_grad_fake(grad: Tensor, shard_shape: list[int], *args: object) -> Tensor:
     out_dtype = by_name(REDUCE_GRAD_ARGS, (grad, shard_shape, *args))["out_dtype"]
     assert isinstance(out_dtype, torch.dtype)
     return grad.new_empty(shard_shape, dtype=out_dtype)
+
+
+torch.library.impl("fsdp::reduce_grad", "CompositeExplicitAutograd")(reduce_grad)
+torch.library.register_fake("fsdp::reduce_grad")(_reduce_grad_fake)

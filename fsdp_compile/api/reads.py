@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from fsdp_compile.api.units import ShardedParam
+from fsdp_compile.passes.graph_ops import UNSHARD_ARGS, arg_names
 
 __all__ = ["accumulator", "eager_args", "forward_depth_hooks", "in_eager_forward", "traced_property",
            "traced_unshard"]
@@ -36,7 +37,13 @@ def accumulator(p: ShardedParam) -> Tensor | None:
 
 _forwards = threading.local()  # how many units' forwards run eagerly on this thread
 
-_PARAM_DTYPE_ARG = 9  # param_dtype's place in ShardedParam.marker_args
+_BETWEEN = arg_names(UNSHARD_ARGS)[1:-1]  # fsdp::unshard's arguments between the shard and the accumulator
+
+
+def read_args(values: dict[str, object]) -> tuple:
+    """``fsdp::unshard``'s arguments between the shard and the accumulator, in order, from ``values`` by
+    name (NOTE [one marker spec])."""
+    return tuple(values[name] for name in _BETWEEN)
 
 
 def eager_args(p: ShardedParam) -> tuple:
@@ -44,10 +51,9 @@ def eager_args(p: ShardedParam) -> tuple:
     forward a read is cast to the mixed-precision ``param_dtype`` (as compiled code reads it); outside
     any (initialising, ``load_state_dict``, inspecting) it is the parameter's own dtype, so what is
     written into it lands exactly, as on the unsharded model."""
-    args = p.marker_args
-    if args[_PARAM_DTYPE_ARG] is None or getattr(_forwards, "depth", 0) > 0:
-        return args
-    return args[:_PARAM_DTYPE_ARG] + (None,) + args[_PARAM_DTYPE_ARG + 1:]
+    if getattr(_forwards, "depth", 0) > 0:
+        return read_args(p.marker_values)
+    return read_args({**p.marker_values, "param_dtype": None})
 
 
 def in_eager_forward() -> bool:

@@ -27,8 +27,8 @@ from fsdp_compile.api.groups import FsdpGroups
 from fsdp_compile.api.materialize import check_built_alike, hand_out_global_grads, local_sums, register_grad_hook
 from fsdp_compile.api.module import FsdpModule, forward_of, mix_in
 from fsdp_compile.api.markers import ANONYMOUS_UNIT, read_outside_forward, shard_rows
-from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks, in_eager_forward, traced_property,
-                                    traced_unshard)
+from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks, in_eager_forward, read_args,
+                                    traced_property, traced_unshard)
 from fsdp_compile.api.stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
 from fsdp_compile.api.units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of, units_under
 
@@ -357,9 +357,10 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
     for i, unit in enumerate(order):
         unit.index = i
         for sp in unit.params:
-            sp.marker_args = _marker_args(sp)
+            sp.marker_values = _marker_values(sp)
             anonymous = unit.outlined or unit.stacked  # alike blocks trace alike: NOTE [outlined units]
-            sp.traced_args = _anonymous(sp.marker_args) if anonymous else sp.marker_args
+            traced = {**sp.marker_values, "unit": ANONYMOUS_UNIT, "name": ""} if anonymous else sp.marker_values
+            sp.traced_args = read_args(traced)
 
 
 def _choose_outlined(units: list[Unit]) -> None:
@@ -385,31 +386,22 @@ def _choose_outlined(units: list[Unit]) -> None:
         mix_in(unit.module, outlined=unit.outlined)
 
 
-def _anonymous(marker_args: tuple) -> tuple:
-    """``marker_args`` with the unit and the parameter name left out (``ops.ANONYMOUS_UNIT``, ``""``)."""
-    args = list(marker_args)
-    args[_UNIT_ARG], args[_NAME_ARG] = ANONYMOUS_UNIT, ""
-    return tuple(args)
-
-
-_UNIT_ARG, _NAME_ARG = 2, 3  # positions in _marker_args' tuple
-
-
-def _marker_args(p: ShardedParam) -> tuple:
-    """The arguments of ``fsdp::unshard`` after the shard (see ``ops.unshard``), all constants."""
+def _marker_values(p: ShardedParam) -> dict[str, object]:
+    """The arguments of ``fsdp::unshard`` besides the shard and the accumulator, by name (NOTE [one marker
+    spec]), all constants."""
     unit = p.unit
     groups = unit.groups
     mp = unit.mp_policy
-    return (
-        list(p.full_shape),
-        groups.shard_size,
-        unit.index,
-        p.fqn,
-        groups.all_gather.group_name,
-        groups.reduce_scatter.group_name,
-        groups.replicate.group_name if groups.replicate is not None else "",
-        groups.replicate_size,
-        unit.reshard_after_forward,
-        mp.param_dtype,
-        mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype,
-    )
+    return {
+        "full_shape": list(p.full_shape),
+        "world_size": groups.shard_size,
+        "unit": unit.index,
+        "name": p.fqn,
+        "ag_group": groups.all_gather.group_name,
+        "rs_group": groups.reduce_scatter.group_name,
+        "replicate_group": groups.replicate.group_name if groups.replicate is not None else "",
+        "replicate_size": groups.replicate_size,
+        "reshard": unit.reshard_after_forward,
+        "param_dtype": mp.param_dtype,
+        "reduce_dtype": mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype,
+    }

@@ -87,7 +87,8 @@ class ShardedParam:
     shard_index: int = 0  # this rank's place in the shard group: it holds rows [index * rows, ...)
     real_rows: int = 0  # rows of ``shard`` that are the param's (the rest are padding, NOTE [padding])
     accumulator: Tensor | None = None  # the leaf that collects full grads without sync (accumulate.py)
-    marker_args: tuple = ()  # fsdp::unshard's constant arguments, set whenever units are (re)numbered
+    marker_values: dict[str, object] = field(default_factory=dict)  # fsdp::unshard's constant arguments by name,
+    # set whenever units are (re)numbered
     traced_args: tuple = ()  # what compiled code passes instead: no unit or name when outlined (NOTE [outlined units])
     # Its unit's ``accumulating``, kept by the unit: a compiled read checks this flag of its own, not the
     # unit every param of it shares (which Dynamo guards, for each param, as one object).

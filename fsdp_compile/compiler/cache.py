@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import fx
 
 from fsdp_compile import passes as _passes
-from fsdp_compile.passes.predicates import ReduceGradArgs, UnshardArgs, is_reduce_grad, is_unshard
+from fsdp_compile.passes.predicates import marker_args, is_reduce_grad, is_unshard
 
 from fsdp_compile._compat import group_timeout_s, resolve_group
 
@@ -86,12 +86,9 @@ def _group_names(gm: fx.GraphModule) -> list[str]:
     """Every group the graph's markers name."""
     names: set[str] = set()
     for node in gm.graph.nodes:
-        if is_unshard(node):
-            args: UnshardArgs | ReduceGradArgs = UnshardArgs.of(node)
-        elif is_reduce_grad(node):
-            args = ReduceGradArgs.of(node)
-        else:
+        if not (is_unshard(node) or is_reduce_grad(node)):
             continue
+        args = marker_args(node)
         names.update(n for n in (args.ag_group, args.rs_group, args.replicate_group) if n)
     return sorted(names)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fsdp_compile.passes.predicates import UnshardArgs, flat_piece, is_reduce_grad, is_unshard
+from fsdp_compile.passes.predicates import marker_args, flat_piece, is_reduce_grad, is_unshard
 from fsdp_compile.passes.subgraphs import hop_calls, holds
 
 from fsdp_compile.api.flat_shard import flat_member
@@ -52,8 +52,8 @@ def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
     """Name each anonymous marker of ``gm`` (and of the bodies it calls) after its shard; ``values``: the
     tensors ``gm``'s placeholders stand for."""
     for node in gm.graph.nodes:
-        if is_unshard(node) and UnshardArgs.of(node).unit == ANONYMOUS_UNIT:
-            shard = UnshardArgs.of(node).shard
+        if is_unshard(node) and marker_args(node).unit == ANONYMOUS_UNIT:
+            shard = marker_args(node).shard
             tensor = _value(gm, values, shard)
             sp = sharded_param(tensor) if isinstance(tensor, torch.Tensor) else None
             piece = flat_piece(shard) if sp is None else None

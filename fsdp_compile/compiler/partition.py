@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile.passes.predicates import UnshardArgs, is_flat_unshard, is_unshard, schema_args
+from fsdp_compile.passes.predicates import marker_args, is_flat_unshard, is_unshard, schema_args
 
 from fsdp_compile._compat import OpOverload, inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
 
@@ -62,7 +62,7 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
     instead re-runs the unshard there; units with ``reshard_after_forward=False`` are must-save."""
     for node in joint.graph.nodes:
         if is_unshard(node):
-            reshard = UnshardArgs.of(node).reshard
+            reshard = marker_args(node).reshard
         elif is_flat_unshard(node):  # NOTE [flat markers]: its getitems are read as views are
             reshard = bool(schema_args(node)["reshard"])
         else:

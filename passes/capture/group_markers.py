@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, fx
 
 from ..graph_ops import NAMES_SEP, UNSHARD_SHARED, arg_names, flatten_shapes
-from ..predicates import UnshardArgs, flat_piece, is_unshard
+from ..predicates import marker_args, flat_piece, is_unshard
 
 __all__ = ["group_markers_pass"]
 
@@ -57,7 +57,7 @@ _SHARED = arg_names(UNSHARD_SHARED)  # alike for every marker one flat marker re
 def _groupable(marker: fx.Node, reader: Callable[[fx.Node], bool]) -> bool:
     """A named marker, without an accumulator, read only by readers ``reader`` accepts, of a piece of a
     flat shard with a value."""
-    a = UnshardArgs.of(marker)
+    a = marker_args(marker)
     return (a.accumulate is None and NAMES_SEP not in a.name and flat_piece(a.shard) is not None
             and isinstance(_value(a.shard), Tensor) and all(reader(u) for u in marker.users))
 
@@ -81,7 +81,7 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
     for markers in sets:
         groups: dict[tuple, list[fx.Node]] = {}
         for marker in markers:
-            a = UnshardArgs.of(marker)
+            a = marker_args(marker)
             key = (flat_piece(a.shard)[0], *(getattr(a, k) for k in _SHARED), _value(a.shard).dtype)  # type: ignore[index, union-attr]
             groups.setdefault(key, []).append(marker)
         for key, group in groups.items():
@@ -97,7 +97,7 @@ def group_flat(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.No
     """(NOTE [flat markers]) When ``markers`` (one outlined call's, of one unit, ``shared`` arguments alike)
     read pieces that tile one flat shard, replace them by one ``fsdp::unshard_flat`` of the flat; returns
     whether it did."""
-    pieces = [flat_piece(UnshardArgs.of(m).shard) for m in markers]
+    pieces = [flat_piece(marker_args(m).shard) for m in markers]
     if any(p is None for p in pieces) or len({p[0] for p in pieces}) != 1:  # type: ignore[index]
         return False
     ordered = sorted(zip(pieces, markers), key=lambda pm: pm[0][1])  # type: ignore[index]
@@ -109,7 +109,7 @@ def group_flat(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.No
         offset += n
     if offset != base.meta.get("example_value", base.meta.get("val")).numel():
         return False
-    args = [UnshardArgs.of(m) for _, m in ordered]
+    args = [marker_args(m) for _, m in ordered]
     shard_ranks, shard_dims = flatten_shapes([list(a.shard.meta.get("example_value", a.shard.meta.get("val")).shape)
                                               for a in args])
     ranks, dims = flatten_shapes([a.full_shape for a in args])

@@ -182,6 +182,7 @@ def _meta(a: dict[str, object], part: list[_Member], kind: str, casts: bool = Fa
 def _lower_gathers(gm: fx.GraphModule, hoist: dict[fx.Node, fx.Node], *, elide: bool,
                    rank_of: Callable[[str], int] | None, alone_bytes: int | None) -> None:
     pieces: list[tuple[list[fx.Node], dict[str, object]]] = []
+    position = _position(gm)  # (splicing keeps the markers' order)
     for a, members in _buckets(gm, gather=True):
         world, group = int(a["world_size"]), str(a["ag_group"])  # type: ignore[call-overload]
         dtype = _dtype(members[0], a, gather=True)
@@ -190,7 +191,7 @@ def _lower_gathers(gm: fx.GraphModule, hoist: dict[fx.Node, fx.Node], *, elide: 
             whole = flat and len(part) > 1 and len(part) == len(str(a["names"]).split(NAMES_SEP))
             cuts = None if not flat or whole else [(m.offset, _shard_shape(m)) for m in part]
             inputs = [part[0].input] if flat else [m.input for m in part]
-            first = min((m.marker for m in part), key=_position(gm))
+            first = min((m.marker for m in part), key=position)
             inserted: list[fx.Node] = []
             outs = splice_gather(gm.graph, inputs, before=first, meta=_meta(a, part, "all_gather"), world=world,
                                  group=group, sizes=[m.size for m in part], shapes=[m.shape for m in part],
@@ -226,6 +227,7 @@ def _shard_shape(m: _Member) -> list[int]:
 
 
 def _lower_reduces(gm: fx.GraphModule, *, elide: bool, alone_bytes: int | None) -> None:
+    position = _position(gm)  # (splicing keeps the markers' order)
     for a, members in _buckets(gm, gather=False):
         world, group = int(a["world_size"]), str(a["rs_group"])  # type: ignore[call-overload]
         dtype = a["reduce_dtype"] or members[0].input.meta["val"].dtype  # type: ignore[union-attr]
@@ -236,7 +238,7 @@ def _lower_reduces(gm: fx.GraphModule, *, elide: bool, alone_bytes: int | None) 
         whole = flat and len(parts) == 1 and not (world == 1 and elide)
         results: dict[int, fx.Node] = {}
         for part in parts:
-            last = max((m.marker for m in part), key=_position(gm))
+            last = max((m.marker for m in part), key=position)
             outs = splice_reduce(gm.graph, [m.input for m in part], before=last, meta=_meta(a, part, "reduce_scatter",
                                  casts), world=world, group=group, sizes=[m.size for m in part],
                                  shapes=[m.shape for m in part], dtype=dtype, replicate_group=str(a["replicate_group"]),

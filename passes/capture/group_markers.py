@@ -30,8 +30,9 @@ lowers both forms (NOTE [one lowering]).
 
 A unit whose shards are not one flat (``fully_shard(flat=False)``, one parameter, mixed dtypes or
 devices, a parameter frozen at ``fully_shard`` time, a ``BlockStack``: ``flatten_unit`` in
-``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers, and so does a flat read other than
-once per piece (a block called twice inline): the same buckets in the end, more ops to trace.
+``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers: the same buckets in the end, more ops
+to trace. So does a flat read other than once per piece (a block called twice inline), whose gradient
+AOTAutograd then sums from its pieces'.
 
 A flat marker carries the per-parameter markers' arguments: the shapes flattened (``flatten_shapes``),
 the names joined by ``NAMES_SEP`` (an op's schema takes no nested int lists and no string lists), every
@@ -47,7 +48,7 @@ import torch
 from torch import Tensor, fx
 
 from ..graph_ops import NAMES_SEP, UNSHARD_SHARED, arg_names, flatten_shapes
-from ..predicates import marker_args, flat_piece, is_unshard
+from ..predicates import flat_piece, is_unshard, marker_args
 
 __all__ = ["group_markers_pass"]
 

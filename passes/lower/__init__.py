@@ -1,2 +1,2 @@
-"""Passes on each graph AOTAutograd hands on: share outlined bodies, lower or split flat markers, lower the
-markers to functional collectives and bucket them per unit."""
+"""Passes on each graph AOTAutograd hands on: share outlined bodies, and lower every marker to its bucket's
+functional collectives (NOTE [one lowering] in ``markers.py``; ``bucket.py`` writes them)."""

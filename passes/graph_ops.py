@@ -216,8 +216,8 @@ def _reduce_grad_flat_fake(grads: list[Tensor], shard_ranks: list[int], shard_di
 #
 # NOTE [copies take any layout]: the pack of shards and the copy out of a gathered bucket read their
 # inputs through ``reshape`` (any strides will do), so Inductor need not pin the inputs to the traced
-# strides: by default it checks and fixes the layout of every tensor input of a custom op, about a
-# millisecond per input when lowering the outer graph, nine shards per unit's pack. ``flexible_layout``
+# strides: by default it checks and fixes the layout of every tensor input of a custom op when lowering
+# the outer graph (nine shards per unit's pack). ``flexible_layout``
 # lets it pass them as they are. (The gradients' pack keeps the default: ``_chunk_cat`` is left the
 # layouts it was traced with.)
 _ANY_LAYOUT = (torch.Tag.flexible_layout,)

@@ -29,8 +29,8 @@ gather exists to keep a packed copy from living beside the output; here the inpu
 shard, which lives anyway, so packing would only add a copy kernel on the compute stream.
 
 NOTE [pieces as strided views]: a member of a bucket's 1-D result is one ``as_strided`` node, where
-``split`` and a ``view`` of each piece take two and one more; Inductor lowers each ``view`` of a piece in
-about a millisecond, nine per unit and graph. A contiguous piece is the same view either way.
+``split`` and a ``view`` of each piece take two and one more, each a node Inductor lowers (nine pieces per
+unit and graph). A contiguous piece is the same view either way.
 """
 
 from __future__ import annotations

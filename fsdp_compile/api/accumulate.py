@@ -35,7 +35,7 @@ def _leaf(sp: ShardedParam) -> Tensor:
 
 def _on_accumulated(sp: ShardedParam) -> None:
     unit = sp.unit
-    unit.pending = True
+    unit.set_sync(pending=True)
     if unit.requires_grad_sync and not unit.flush_queued:
         unit.flush_queued = True
         queue_end_of_backward(lambda: _flush(unit))
@@ -45,7 +45,7 @@ def _flush(unit: Unit) -> None:
     """End of a synced backward: reduce every accumulated full gradient into its shard's grad, with
     one bucketed reduce-scatter (and, for HSDP, one all-reduce) for the whole unit."""
     ready = [sp for sp in unit.params if sp.accumulator is not None and sp.accumulator.grad is not None]
-    unit.pending = False
+    unit.set_sync(pending=False)
     unit.flush_queued = False
     if not ready:
         return
@@ -95,4 +95,4 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, 
             for sp in unit.params:
                 if sp.accumulator is None and sp.shard.requires_grad:
                     sp.accumulator = _leaf(sp)
-        unit.requires_grad_sync = requires_gradient_sync
+        unit.set_sync(requires_grad_sync=requires_gradient_sync)

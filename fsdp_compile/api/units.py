@@ -51,8 +51,8 @@ class Unit:
     stacked: bool = False  # a block of a BlockStack, traced once with the stack's other blocks (NOTE [stacked blocks])
     flat: Tensor | None = None  # its shards as one tensor, each a view of it (NOTE [flat shards] in flat_shard.py)
     flat_wanted: bool = True  # what fully_shard(flat=) asked for
-    requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py
-    pending: bool = False  # accumulated full gradients not yet reduced
+    requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py; set through set_sync
+    pending: bool = False  # accumulated full gradients not yet reduced; set through set_sync
     flush_queued: bool = False
     built_sums: Tensor | None = None  # its params' checksums at fully_shard, until compared (NOTE [ranks built alike])
 
@@ -62,11 +62,15 @@ class Unit:
         [no-sync] in ``accumulate.py``)."""
         return not self.requires_grad_sync or self.pending
 
-    def __setattr__(self, name: str, value: object) -> None:
-        super().__setattr__(name, value)
-        if name in ("requires_grad_sync", "pending"):  # each param keeps its own copy (ShardedParam.accumulating)
-            for p in getattr(self, "params", ()):
-                p.accumulating = self.accumulating
+    def set_sync(self, *, requires_grad_sync: bool | None = None, pending: bool | None = None) -> None:
+        """Set what :attr:`accumulating` reads and hand it to each param, which keeps a copy of its own
+        (``ShardedParam.accumulating``)."""
+        if requires_grad_sync is not None:
+            self.requires_grad_sync = requires_grad_sync
+        if pending is not None:
+            self.pending = pending
+        for p in self.params:
+            p.accumulating = self.accumulating
 
     @property
     def module(self) -> nn.Module:

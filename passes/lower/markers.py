@@ -78,6 +78,7 @@ class _Member:
     size: int  # elements per rank: the shard's
     input: fx.Node  # the shard, or the flat shard (a flat gather), or the full gradient
     offset: int = 0  # in the flat shard (a flat gather)
+    piece: tuple[int, ...] = ()  # its shard's shape (a flat gather: the piece cut from the flat)
     out: fx.Node | None = None  # what stands for its gathered parameter (a gather)
 
 
@@ -96,7 +97,7 @@ def _members(node: fx.Node, a: dict[str, object], gather: bool) -> list[_Member]
     out, offset = [], 0
     for i, (n, s, full) in enumerate(zip(names, shards, unflatten_shapes(a["ranks"], a["dims"]))):  # type: ignore[arg-type]
         if i in items:
-            out.append(_Member(node, i, n, tuple(full), numel(s), a["flat"], offset, items[i]))  # type: ignore[arg-type]
+            out.append(_Member(node, i, n, tuple(full), numel(s), a["flat"], offset, tuple(s), items[i]))  # type: ignore[arg-type]
         offset += numel(s)
     return out
 
@@ -189,7 +190,7 @@ def _lower_gathers(gm: fx.GraphModule, hoist: dict[fx.Node, fx.Node], *, elide: 
         flat = members[0].index is not None
         for part in _parts(members, a, gather=True, elide=elide, alone_bytes=alone_bytes):
             whole = flat and len(part) > 1 and len(part) == len(str(a["names"]).split(NAMES_SEP))
-            cuts = None if not flat or whole else [(m.offset, _shard_shape(m)) for m in part]
+            cuts = None if not flat or whole else [(m.offset, m.piece) for m in part]
             inputs = [part[0].input] if flat else [m.input for m in part]
             first = min((m.marker for m in part), key=position)
             inserted: list[fx.Node] = []
@@ -221,16 +222,11 @@ def _erase_with_items(marker: fx.Node) -> None:
     marker.graph.erase_node(marker)
 
 
-def _shard_shape(m: _Member) -> list[int]:
-    a = schema_args(m.marker)
-    return unflatten_shapes(a["shard_ranks"], a["shard_dims"])[m.index]  # type: ignore[arg-type, index]
-
-
 def _lower_reduces(gm: fx.GraphModule, *, elide: bool, alone_bytes: int | None) -> None:
     position = _position(gm)  # (splicing keeps the markers' order)
     for a, members in _buckets(gm, gather=False):
         world, group = int(a["world_size"]), str(a["rs_group"])  # type: ignore[call-overload]
-        dtype = a["reduce_dtype"] or members[0].input.meta["val"].dtype  # type: ignore[union-attr]
+        dtype = _dtype(members[0], a, gather=False)
         casts = any(m.input.meta["val"].dtype != dtype for m in members)
         ranks = world * max(int(a["replicate_size"]), 1)  # type: ignore[call-overload]
         flat = members[0].index is not None

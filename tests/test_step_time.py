@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -31,7 +32,7 @@ def test_defaults_are_the_cpu_preset() -> None:
     assert opts.variants == DEFAULT_VARIANTS and opts.ranks == 2 and opts.png
     assert set(DEFAULT_VARIANTS) < set(VARIANTS) and "fsdp-compile-packed" not in DEFAULT_VARIANTS
     assert opts.device == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert "benchmarks" in opts.command or "pytest" in opts.command
+    assert shlex.split(opts.command) == list(getattr(sys, "orig_argv", sys.argv))  # this process's, quoted
 
 
 def test_gpu_presets() -> None:

@@ -73,14 +73,15 @@ def kernel_breakdown(trace: Path) -> dict[str, Any]:
         c: {"gpu_ms": statistics.median(s.get(c, (0.0, 0))[0] for s in per_step),
             "kernels": statistics.median(s.get(c, (0.0, 0))[1] for s in per_step)} for c in classes}
     out["cpu_step_ms"] = statistics.median((s.end_us - s.start_us) / 1e3 for s in spans) if spans else None
-    top: dict[str, list[float]] = defaultdict(list)
+    top: dict[str, dict[str, list[float]]] = {"top_non_matmul": defaultdict(list), "top_matmul": defaultdict(list)}
     for evs in groups.values():
         for e in evs:
-            if kernel_class(e.name) in ("copy", "triton", "other"):
-                top[e.name[:120]].append(e.dur_us)
+            cls = kernel_class(e.name)
+            if cls in ("copy", "triton", "other", "matmul"):
+                top["top_matmul" if cls == "matmul" else "top_non_matmul"][e.name[:120]].append(e.dur_us)
     n = max(1, len(groups))
-    out["top_non_matmul"] = sorted(((k, sum(v) / 1e3 / n, len(v) // n) for k, v in top.items()),
-                                   key=lambda x: -x[1])[:15]
+    for key, kernels in top.items():  # each kernel name's ms and count per step (layouts show in matmul names)
+        out[key] = sorted(((k, sum(v) / 1e3 / n, len(v) // n) for k, v in kernels.items()), key=lambda x: -x[1])[:15]
     return out
 
 
@@ -187,7 +188,7 @@ def measure(names: Sequence[str], preset: str, out: Path, snapshot_of: Sequence[
 
 def print_tables(results: dict[str, Any]) -> None:
     classes = sorted({c for r in results.values() for c in r.get("kernels", {})
-                      if c not in ("cpu_step_ms", "top_non_matmul")})
+                      if c not in ("cpu_step_ms", "top_non_matmul", "top_matmul")})
     print("| variant | " + " | ".join(f"{c} ms (n)" for c in classes) + " | CPU step ms | peak MiB |")
     print("|---" * (len(classes) + 3) + "|")
     for name, r in results.items():
@@ -206,9 +207,10 @@ def print_tables(results: dict[str, Any]) -> None:
             print(f"\n{name}: alive at the peak ({r['memory']['peak_above_start_mib']:.0f} MiB above the step's start)")
             for row in r["memory"]["live_at_peak"][:12]:
                 print(f"  {row['mib']:8.1f} MiB x{row['count']:<3} {row['made_by']}")
-            print("  top non-matmul kernels (ms/step, n):")
-            for kname, ms, n in r["kernels"]["top_non_matmul"][:8]:
-                print(f"    {ms:7.3f} {n:4d}  {kname}")
+            for key in ("top_non_matmul", "top_matmul"):
+                print(f"  {key.replace('_', ' ')} kernels (ms/step, n):")
+                for kname, ms, n in r["kernels"][key][:8]:
+                    print(f"    {ms:7.3f} {n:4d}  {kname}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""One flat shard per unit (NOTE [flat shards] in fsdp_compile/api/flat_shard.py): layout, reads, gradients handed out,
-and what keeps parameters and flat in step.
+"""A flat shard per unit and dtype (NOTE [flat shards] in fsdp_compile/api/flat_shard.py): layout, reads,
+gradients handed out, and what keeps parameters and flat in step.
 
 The numerics here run in this process on a gloo group of one rank with the collectives kept
 (``elide_single_rank=False``), against the same model unsharded; several ranks: tests/test_numerics.py.
@@ -72,11 +72,11 @@ def test_a_unit_s_parameters_are_views_of_its_flat_shard() -> None:
         model, _ = _sharded()
         # the root holds the blocks' units: its embedding's and head's gradients exist at the two ends of
         # backward, reduced apart (NOTE [gradients in stretches] in passes/lower/markers.py)
-        assert unit_of(model).flat is None and all(sp.flat is None for sp in unit_of(model).params)  # type: ignore[union-attr]
+        assert not unit_of(model).flats and all(sp.flat is None for sp in unit_of(model).params)  # type: ignore[union-attr]
         for module in model.layers:
             unit = unit_of(module)
-            assert unit is not None and unit.flat is not None
-            flat = unit.flat
+            assert unit is not None and len(unit.flats) == 1
+            flat = unit.flats[0]
             assert flat.requires_grad and flat.dim() == 1
             assert sum(sp.shard.numel() for sp in unit.params) == flat.numel()
             for sp in unit.params:
@@ -126,7 +126,7 @@ def test_gradients_are_handed_out_accumulated_and_cleared_like_autograd_s() -> N
         for name, p, r in _pairs(model, ref):
             assert p.grad is not None, name
             torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
-        assert all(unit_of(m).flat.grad is None for m in model.layers)  # type: ignore[union-attr]
+        assert all(unit_of(m).flats[0].grad is None for m in model.layers)  # type: ignore[union-attr]
         model.zero_grad()
         ref.zero_grad()
         _step(compiled, tokens)
@@ -158,9 +158,56 @@ def test_a_unit_with_a_parameter_frozen_before_sharding_keeps_its_shards_apart()
         model = Transformer(CFG)
         model.layers[1].ffn_norm.weight.requires_grad_(False)
         shard_blocks_then_root(model, FsdpGroups.create())
-        assert unit_of(model.layers[0]).flat is not None  # type: ignore[union-attr]
-        assert unit_of(model.layers[1]).flat is None  # type: ignore[union-attr]
+        assert unit_of(model.layers[0]).flats  # type: ignore[union-attr]
+        assert not unit_of(model.layers[1]).flats  # type: ignore[union-attr]
         assert all(sp.flat is None for sp in unit_of(model.layers[1]).params)  # type: ignore[union-attr]
+
+
+class _TwoDtypes(torch.nn.Module):
+    """fp32 matrices beside an fp64 scale and shift: a unit of two dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 8)
+        self.down = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.rand(8, dtype=torch.float64) + 0.5)
+        self.shift = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)) * self.scale.float() + self.shift.float())
+
+
+def test_a_unit_of_two_dtypes_has_a_flat_of_each_and_trains_as_eager() -> None:
+    x = torch.randn(4, 8)
+    with gloo_world_of_one():
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(_TwoDtypes(), _TwoDtypes(), torch.nn.Linear(8, 2))
+        model = copy.deepcopy(ref)
+        groups = FsdpGroups.create()
+        _GROUPS.append(groups)
+        for block in model[:2]:
+            fully_shard(block, groups=groups)
+        fully_shard(model, groups=groups)
+        for block in model[:2]:
+            unit = unit_of(block)
+            assert unit is not None and sorted(str(f.dtype) for f in unit.flats) == ["torch.float32", "torch.float64"]
+            assert all(sp.flat is not None and sp.flat.dtype == sp.shard.dtype for sp in unit.params)
+        inputs: list[int] = []
+        ours = make_backend(elide_single_rank=False, inductor=False)
+
+        def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+            inputs.append(sum(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs))
+            return ours(gm, example_inputs)
+
+        backend.__dict__.update(ours.__dict__)
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(2):  # the second step adds to the first's gradients
+            compiled(x).square().mean().backward()
+            ref(x).square().mean().backward()
+        assert inputs == [2 + 2 + 2]  # two flats per block; the root's weight and bias
+        for name, p, r in _pairs(model, ref):
+            assert p.grad is not None and p.grad.dtype == r.dtype, name
+            torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_replaced_parameter_data_is_read_by_the_next_compiled_step() -> None:
@@ -175,7 +222,7 @@ def test_replaced_parameter_data_is_read_by_the_next_compiled_step() -> None:
         ref.layers[0].attn.wq.weight.data = new.clone()
         out, expected = compiled(tokens), ref(tokens)
         torch.testing.assert_close(out, expected)
-        flat = unit_of(model.layers[0]).flat  # type: ignore[union-attr]
+        flat = unit_of(model.layers[0]).flats[0]  # type: ignore[union-attr]
         sp = next(sp for sp in unit_of(model.layers[0]).params if sp.shard is wq)  # type: ignore[union-attr]
         assert wq.data_ptr() == flat.data_ptr() + sp.offset * flat.element_size()  # a view of the flat again
 
@@ -200,9 +247,9 @@ def test_module_to_lays_the_flat_shards_out_again() -> None:
         ref.to(torch.float64)
         for module in model.layers:
             unit = unit_of(module)
-            assert unit.flat is not None and unit.flat.dtype == torch.float64  # type: ignore[union-attr]
+            assert [f.dtype for f in unit.flats] == [torch.float64]  # type: ignore[union-attr]
             for sp in unit.params:  # type: ignore[union-attr]
-                assert sp.shard.data_ptr() == unit.flat.data_ptr() + sp.offset * 8  # type: ignore[union-attr]
+                assert sp.shard.data_ptr() == unit.flats[0].data_ptr() + sp.offset * 8  # type: ignore[union-attr]
         compiled = torch.compile(model, backend=make_backend(elide_single_rank=False, inductor=False))
         _step(compiled, tokens)
         _step(ref, tokens)
@@ -230,7 +277,7 @@ def test_flat_false_keeps_each_shard_a_graph_input_of_its_own() -> None:
     with fake_process_group(2):
         torch.manual_seed(0)
         model = shard_blocks_then_root(Transformer(CFG), FsdpGroups.create(), flat=False)
-        assert all(unit_of(m).flat is None for m in [*model.layers, model])  # type: ignore[union-attr]
+        assert not any(unit_of(m).flats for m in [*model.layers, model])  # type: ignore[union-attr]
         with pytest.raises(TypeError, match="flat must be True or False"):
             fully_shard(torch.nn.Linear(2, 2), groups=FsdpGroups.create(), flat=1)  # type: ignore[arg-type]
 
@@ -259,7 +306,7 @@ def test_where_collectives_are_elided_a_flat_is_read_as_its_parameters() -> None
         with observe_graphs() as seen_whole:
             _step(whole, tokens)
         assert dict(seen_whole)["backward"].graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)
-        assert all(unit_of(m).flat.grad is None for m in model.layers)  # type: ignore[union-attr]
+        assert all(unit_of(m).flats[0].grad is None for m in model.layers)  # type: ignore[union-attr]
         for name, p, r in _pairs(model, ref):
             torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
 

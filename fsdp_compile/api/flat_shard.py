@@ -1,4 +1,4 @@
-"""One flat shard per unit: the unit's shards are views of one tensor, which compiled code reads.
+"""A flat shard per unit and dtype: the unit's shards are views of one tensor, which compiled code reads.
 
 NOTE [flat shards]: compile time per block grows with what Dynamo, AOTAutograd and Inductor are handed
 per block, and a Llama block's nine shards would be nine graph inputs (each a fake tensor, a guard, a
@@ -7,9 +7,9 @@ unpack the reduce-scatter. So ``fully_shard`` lays a unit's shards out as one 1-
 the unit's order, the ``flat``; each ``nn.Parameter`` stays the leaf the optimizer updates and the
 user reads, its storage now a view of the flat. Compiled code reads parameter ``i`` as the piece
 ``flat.narrow(0, offset_i, n_i).view(shape_i)`` (``reads.traced_unshard``), so Dynamo takes one input
-per unit; the backend gathers the flat in one copy and hands the reduce-scatter's output on as the
-flat's gradient (``passes/capture/group_markers.py``). After each backward, a hook on the flat hands each parameter its
-piece of that gradient as its ``.grad`` (a view; added to a ``.grad`` already there, as autograd
+per unit and dtype; the backend gathers the flat in one copy and hands the reduce-scatter's output on as
+the flat's gradient (``passes/capture/group_markers.py``). After each backward, a hook on the flat hands
+each parameter its piece of that gradient as its ``.grad`` (a view; added to a ``.grad`` already there, as autograd
 accumulates), for the parameters that require grad; the flat's own ``.grad`` is then cleared. Where a
 unit's collectives are elided (one rank), compiled code takes the parameters themselves instead and
 autograd fills their ``.grad`` (NOTE [elided flats] in ``passes/capture/flat_inputs.py``).
@@ -21,9 +21,11 @@ replacement of a parameter's data (``p.data = t``) is found before the next comp
 (:func:`flat_check`): data of the same shape, dtype and device is copied into the flat and the
 parameter made its view again; anything else raises, naming the fix.
 
-A unit is laid out flat when it has two or more parameters of one dtype and device, all requiring grad
-when ``fully_shard`` runs, and is no stacked block (``stack.py`` reads shards its own way) and holds no
-other unit. A unit that holds others (the root: embedding, final norm, output head) reads its parameters
+A unit is laid out flat when its parameters all require grad when ``fully_shard`` runs, it is no stacked
+block (``stack.py`` reads shards its own way) and it holds no other unit: one flat per dtype and device
+that two or more of its parameters have (fp32 norms beside bf16 matrices make two flats, and two
+collectives each way, as per-parameter buckets of one dtype would; a parameter alone in its dtype keeps
+its shard). A unit that holds others (the root: embedding, final norm, output head) reads its parameters
 around theirs, so their gradients exist at the two ends of backward; kept apart, each stretch is
 reduce-scattered as soon as it exists (NOTE [gradients in stretches] in ``passes/lower/markers.py``),
 where one flat gradient would hold the output head's bucket until the embedding's gradient. A parameter
@@ -64,35 +66,40 @@ def flat_member(flat: object, offset: int) -> ShardedParam | None:
 
 def _eligible(unit: Unit) -> bool:
     shards = [sp.shard for sp in unit.params]
-    return (not unit.stacked and len(shards) >= 2 and len({(s.dtype, s.device) for s in shards}) == 1
-            and shards[0].device.type != "meta" and all(s.requires_grad for s in shards)
-            and all(u is unit for u in units_under(unit.module)))
+    return (not unit.stacked and len(shards) >= 2 and shards[0].device.type != "meta"
+            and all(s.requires_grad for s in shards) and all(u is unit for u in units_under(unit.module)))
 
 
 def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
-    """(NOTE [flat shards]) Lay ``unit``'s shards out as one flat tensor (when ``wanted`` and it is
-    eligible), each parameter's data a view of it."""
+    """(NOTE [flat shards]) Lay ``unit``'s shards out as one flat tensor per dtype and device (when
+    ``wanted`` and it is eligible; a dtype with one parameter keeps its shard), each parameter's data a
+    view of its flat."""
     unit.flat_wanted = wanted
     for sp in unit.params:
         sp.flat, sp.offset = None, 0
-    unit.flat = None
+    unit.flats = []
     if not wanted or not _eligible(unit):
         return
-    first = unit.params[0].shard
-    flat = torch.empty(sum(sp.shard.numel() for sp in unit.params), dtype=first.dtype, device=first.device)
-    offset = 0
-    with torch.no_grad():
-        for sp in unit.params:
-            n = sp.shard.numel()
-            piece = flat.narrow(0, offset, n)
-            piece.copy_(sp.shard.detach().reshape(-1))
-            sp.shard.data = piece.view(sp.shard.shape)
-            sp.flat, sp.offset, sp.piece_shape = flat, offset, tuple(sp.shard.shape)
-            offset += n
-    flat.requires_grad_(True)
-    flat.register_post_accumulate_grad_hook(_hand_out(unit))
-    unit.flat = flat
-    _flats[flat] = unit
+    kinds: dict[tuple[torch.dtype, torch.device], list[ShardedParam]] = {}
+    for sp in unit.params:
+        kinds.setdefault((sp.shard.dtype, sp.shard.device), []).append(sp)
+    for (dtype, device), members in kinds.items():
+        if len(members) < 2:
+            continue
+        flat = torch.empty(sum(sp.shard.numel() for sp in members), dtype=dtype, device=device)
+        offset = 0
+        with torch.no_grad():
+            for sp in members:
+                n = sp.shard.numel()
+                piece = flat.narrow(0, offset, n)
+                piece.copy_(sp.shard.detach().reshape(-1))
+                sp.shard.data = piece.view(sp.shard.shape)
+                sp.flat, sp.offset, sp.piece_shape = flat, offset, tuple(sp.shard.shape)
+                offset += n
+        flat.requires_grad_(True)
+        flat.register_post_accumulate_grad_hook(_hand_out(unit))
+        unit.flats.append(flat)
+        _flats[flat] = unit
 
 
 def refresh_flat(module: nn.Module, unit: Unit) -> None:
@@ -101,7 +108,7 @@ def refresh_flat(module: nn.Module, unit: Unit) -> None:
     its parameters' data where any no longer is a view of it (NOTE [flat shards]); a unit built on the
     meta device gets its flat here."""
     rebound = rebind_params(unit)
-    if rebound or (unit.flat is not None and not all(_aliases(sp) for sp in unit.params)):
+    if rebound or not all(_aliases(sp) for sp in unit.params if sp.flat is not None):
         flatten_unit(unit, module, unit.flat_wanted)
 
 

@@ -49,7 +49,7 @@ class Unit:
     outline: bool | None = None  # what fully_shard(outline=) asked for; None: decide (NOTE [outlined units])
     outlined: bool = False  # an outline candidate: may share a body with identical blocks (NOTE [outlined units])
     stacked: bool = False  # a block of a BlockStack, traced once with the stack's other blocks (NOTE [stacked blocks])
-    flat: Tensor | None = None  # its shards as one tensor, each a view of it (NOTE [flat shards] in flat_shard.py)
+    flats: list[Tensor] = field(default_factory=list)  # one per dtype: its shards, views of it (NOTE [flat shards])
     flat_wanted: bool = True  # what fully_shard(flat=) asked for
     requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py; set through set_sync
     pending: bool = False  # accumulated full gradients not yet reduced; set through set_sync

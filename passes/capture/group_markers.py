@@ -11,7 +11,7 @@ AOTAutograd's trace costs about the same per op whatever the op does, and once b
 [outlined units] in ``fsdp_compile/api/module.py``) the per-parameter markers are most of what it traces
 per block: nine ``fsdp::unshard`` before each call of a Llama block and nine ``fsdp::reduce_grad`` after
 its backward, against one call each way. ``fully_shard`` lays a unit's shards out as one flat tensor per
-rank (every shard a view of it, in the unit's order; NOTE [flat shards] in
+dtype and rank (every shard a view of it, in the unit's order; NOTE [flat shards] in
 ``fsdp_compile/api/flat_shard.py``) and a compiled read of parameter ``i`` is the marker on a piece of
 it. When the markers one outlined call reads, or the markers read outside any call, read every piece of
 a flat once, they become one ``fsdp::unshard_flat`` of the flat itself (:func:`group_flat`), before the
@@ -28,8 +28,8 @@ reduce-scatter's output *is* the flat's gradient, where AOTAutograd would otherw
 pieces' gradients (a zero tensor, and a ``slice_scatter`` and an add per piece). ``lower/markers.py``
 lowers both forms (NOTE [one lowering]).
 
-A unit whose shards are not one flat (``fully_shard(flat=False)``, one parameter, mixed dtypes or
-devices, a parameter frozen at ``fully_shard`` time, a ``BlockStack``: ``flatten_unit`` in
+A parameter not in a flat (``fully_shard(flat=False)``, a unit with a parameter frozen at
+``fully_shard`` time, a ``BlockStack``, the only parameter of its dtype in its unit: ``flatten_unit`` in
 ``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers: the same buckets in the end, more ops
 to trace. So does a flat read other than once per piece (a block called twice inline), whose gradient
 AOTAutograd then sums from its pieces'.

@@ -72,7 +72,8 @@ def test_a_unit_s_parameters_are_views_of_its_flat_shard() -> None:
         model, _ = _sharded()
         # the root holds the blocks' units: its embedding's and head's gradients exist at the two ends of
         # backward, reduced apart (NOTE [gradients in stretches] in passes/lower/markers.py)
-        assert not unit_of(model).flats and all(sp.flat is None for sp in unit_of(model).params)  # type: ignore[union-attr]
+        root = unit_of(model)
+        assert root is not None and not root.flats and all(sp.flat is None for sp in root.params)
         for module in model.layers:
             unit = unit_of(module)
             assert unit is not None and len(unit.flats) == 1

@@ -9,8 +9,8 @@ user reads, its storage now a view of the flat. Compiled code reads parameter ``
 ``flat.narrow(0, offset_i, n_i).view(shape_i)`` (``reads.traced_unshard``), so Dynamo takes one input
 per unit and dtype; the backend gathers the flat in one copy and hands the reduce-scatter's output on as
 the flat's gradient (``passes/capture/group_markers.py``). After each backward, a hook on the flat hands
-each parameter its piece of that gradient as its ``.grad`` (a view; added to a ``.grad`` already there, as autograd
-accumulates), for the parameters that require grad; the flat's own ``.grad`` is then cleared. Where a
+each parameter its piece of that gradient as its ``.grad`` (a view; added to a ``.grad`` already there,
+as autograd accumulates), for the parameters that require grad; the flat's own ``.grad`` is then cleared. Where a
 unit's collectives are elided (one rank), compiled code takes the parameters themselves instead and
 autograd fills their ``.grad`` (NOTE [elided flats] in ``passes/capture/flat_inputs.py``).
 

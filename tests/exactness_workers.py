@@ -234,17 +234,17 @@ def backward_twice(rank: int, world: int, paths: list[str]) -> dict[str, dict[st
     groups = FsdpGroups.create()
     tokens = torch.randint(0, TINY.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     out = {}
-    for path in paths:
-        build, blocks, backend_kw = CAPTURE_PATHS[path]
-        torch._dynamo.reset()
-        counters["aot_autograd"].clear()
-        torch.manual_seed(0)
-        reference = build(TINY)
-        model = copy.deepcopy(reference)
-        for block in model.layers if blocks else ():
-            fully_shard(block, groups=groups)
-        fully_shard(model, groups=groups)
-        with fresh_cache():
+    with fresh_cache():  # one for every path: each path's graphs are its own, the kernels they share are not
+        for path in paths:
+            build, blocks, backend_kw = CAPTURE_PATHS[path]
+            torch._dynamo.reset()
+            counters["aot_autograd"].clear()
+            torch.manual_seed(0)
+            reference = build(TINY)
+            model = copy.deepcopy(reference)
+            for block in model.layers if blocks else ():
+                fully_shard(block, groups=groups)
+            fully_shard(model, groups=groups)
             for retain, warm_start in ((False, False), (True, False), (True, True)):
                 if warm_start:
                     torch._dynamo.reset()
@@ -255,9 +255,9 @@ def backward_twice(rank: int, world: int, paths: list[str]) -> dict[str, dict[st
                     if retain:
                         loss.backward(retain_graph=True)
                     loss.backward()
-        out[path] = {"error": _grad_error(model, reference),
-                     "cache": {k.removeprefix("autograd_cache_"): int(v) for k, v in counters["aot_autograd"].items()
-                               if k.startswith("autograd_cache_")}}
+            out[path] = {"error": _grad_error(model, reference),
+                         "cache": {k.removeprefix("autograd_cache_"): int(v)
+                                   for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache_")}}
     dist.barrier()
     return out
 

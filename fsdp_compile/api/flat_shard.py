@@ -65,9 +65,9 @@ def flat_member(flat: object, offset: int) -> ShardedParam | None:
 
 
 def _eligible(unit: Unit) -> bool:
-    shards = [sp.shard for sp in unit.params]
-    return (not unit.stacked and len(shards) >= 2 and shards[0].device.type != "meta"
-            and all(s.requires_grad for s in shards) and all(u is unit for u in units_under(unit.module)))
+    """Whether ``unit`` may be laid out flat at all; which of its dtypes get a flat ``flatten_unit`` decides."""
+    return (not unit.stacked and all(sp.shard.requires_grad and sp.shard.device.type != "meta" for sp in unit.params)
+            and all(u is unit for u in units_under(unit.module)))
 
 
 def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:

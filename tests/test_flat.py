@@ -153,15 +153,49 @@ def test_a_parameter_frozen_after_sharding_gets_no_gradient() -> None:
                 torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_a_unit_with_a_parameter_frozen_before_sharding_keeps_its_shards_apart() -> None:
+def _frozen_before_sharding(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A Llama whose second block's attention projections are frozen before ``fully_shard`` (as an adapter
+    fine-tune freezes base weights), and its unsharded reference."""
+    torch.manual_seed(seed)
+    ref = Transformer(CFG)
+    for m in ref.layers[1].attn.children():
+        m.requires_grad_(False)
+    groups = FsdpGroups.create()
+    _GROUPS.append(groups)
+    return shard_blocks_then_root(copy.deepcopy(ref), groups), ref
+
+
+def test_parameters_frozen_before_sharding_get_a_flat_that_requires_no_gradient() -> None:
     with fake_process_group(2):
-        torch.manual_seed(0)
-        model = Transformer(CFG)
-        model.layers[1].ffn_norm.weight.requires_grad_(False)
-        shard_blocks_then_root(model, FsdpGroups.create())
-        assert unit_of(model.layers[0]).flats  # type: ignore[union-attr]
-        assert not unit_of(model.layers[1]).flats  # type: ignore[union-attr]
-        assert all(sp.flat is None for sp in unit_of(model.layers[1]).params)  # type: ignore[union-attr]
+        model, _ = _frozen_before_sharding()
+        unit = unit_of(model.layers[1])
+        assert unit is not None and sorted(f.requires_grad for f in unit.flats) == [False, True]
+        for sp in unit.params:
+            assert sp.flat is not None and sp.flat.requires_grad == sp.shard.requires_grad, sp.fqn
+
+
+@pytest.mark.parametrize("elide", [False, True])
+def test_parameters_frozen_before_sharding_train_as_eager_and_get_gradients_once_unfrozen(elide: bool) -> None:
+    """The frozen flat is gathered and never reduced; a member unfrozen later is read from its own shard
+    (the trace guards its ``requires_grad``: NOTE [flat shards]) and gets eager's gradient."""
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, ref = _frozen_before_sharding()
+        compiled = torch.compile(model, backend=make_backend(elide_single_rank=elide, inductor=False))
+        ours, theirs = model.layers[1].attn.wq.parametrizations.weight.original, ref.layers[1].attn.wq.weight
+        for unfrozen in (False, True, True):
+            ours.requires_grad_(unfrozen)
+            theirs.requires_grad_(unfrozen)
+            _step(compiled, tokens)
+            _step(ref, tokens)
+            for name, p, r in _pairs(model, ref):
+                if r.grad is None:
+                    assert p.grad is None, name
+                else:
+                    torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+            model.zero_grad()
+            ref.zero_grad()
+        assert all(f.grad is None for f in unit_of(model.layers[1]).flats)  # type: ignore[union-attr]
 
 
 class _TwoDtypes(torch.nn.Module):

@@ -21,11 +21,15 @@ replacement of a parameter's data (``p.data = t``) is found before the next comp
 (:func:`flat_check`): data of the same shape, dtype and device is copied into the flat and the
 parameter made its view again; anything else raises, naming the fix.
 
-A unit is laid out flat when its parameters all require grad when ``fully_shard`` runs, it is no stacked
-block (``stack.py`` reads shards its own way) and it holds no other unit: one flat per dtype and device
-that two or more of its parameters have (fp32 norms beside bf16 matrices make two flats, and two
-collectives each way, as per-parameter buckets of one dtype would; a parameter alone in its dtype keeps
-its shard). A unit that holds others (the root: embedding, final norm, output head) reads its parameters
+A unit is laid out flat when it is no stacked block (``stack.py`` reads shards its own way) and it holds
+no other unit: one flat per dtype, device and ``requires_grad`` that two or more of its parameters share
+(fp32 norms beside bf16 matrices make two flats, and two collectives each way, as per-parameter buckets
+of one dtype would; a parameter alone in its kind keeps its shard). Parameters frozen when
+``fully_shard`` runs (the base weights beside trainable adapters) get a flat that requires no gradient:
+gathered in one copy, never reduced (beside the unit's trained flat: two all-gathers where one bucket of
+its shards would be one). One of them unfrozen later is read from its own shard (the trace guards its
+``requires_grad``, so the graph is compiled again), which gives it its gradient. A unit that holds
+others (the root: embedding, final norm, output head) reads its parameters
 around theirs, so their gradients exist at the two ends of backward; kept apart, each stretch is
 reduce-scattered as soon as it exists (NOTE [gradients in stretches] in ``passes/lower/markers.py``),
 where one flat gradient would hold the output head's bucket until the embedding's gradient. A parameter
@@ -66,24 +70,24 @@ def flat_member(flat: object, offset: int) -> ShardedParam | None:
 
 def _eligible(unit: Unit) -> bool:
     """Whether ``unit`` may be laid out flat at all; which of its dtypes get a flat ``flatten_unit`` decides."""
-    return (not unit.stacked and all(sp.shard.requires_grad and sp.shard.device.type != "meta" for sp in unit.params)
+    return (not unit.stacked and all(sp.shard.device.type != "meta" for sp in unit.params)
             and all(u is unit for u in units_under(unit.module)))
 
 
 def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
-    """(NOTE [flat shards]) Lay ``unit``'s shards out as one flat tensor per dtype and device (when
-    ``wanted`` and it is eligible; a dtype with one parameter keeps its shard), each parameter's data a
-    view of its flat."""
+    """(NOTE [flat shards]) Lay ``unit``'s shards out as one flat tensor per dtype, device and
+    ``requires_grad`` (when ``wanted`` and it is eligible; a kind with one parameter keeps its shard), each
+    parameter's data a view of its flat."""
     unit.flat_wanted = wanted
     for sp in unit.params:
         sp.flat, sp.offset = None, 0
     unit.flats = []
     if not wanted or not _eligible(unit):
         return
-    kinds: dict[tuple[torch.dtype, torch.device], list[ShardedParam]] = {}
+    kinds: dict[tuple[torch.dtype, torch.device, bool], list[ShardedParam]] = {}
     for sp in unit.params:
-        kinds.setdefault((sp.shard.dtype, sp.shard.device), []).append(sp)
-    for (dtype, device), members in kinds.items():
+        kinds.setdefault((sp.shard.dtype, sp.shard.device, sp.shard.requires_grad), []).append(sp)
+    for (dtype, device, trained), members in kinds.items():
         if len(members) < 2:
             continue
         flat = torch.empty(sum(sp.shard.numel() for sp in members), dtype=dtype, device=device)
@@ -96,8 +100,9 @@ def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
                 sp.shard.data = piece.view(sp.shard.shape)
                 sp.flat, sp.offset, sp.piece_shape = flat, offset, tuple(sp.shard.shape)
                 offset += n
-        flat.requires_grad_(True)
-        flat.register_post_accumulate_grad_hook(_hand_out(unit))
+        if trained:
+            flat.requires_grad_(True)
+            flat.register_post_accumulate_grad_hook(_hand_out(unit))
         unit.flats.append(flat)
         _flats[flat] = unit
 

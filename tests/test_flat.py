@@ -292,7 +292,7 @@ def test_module_to_lays_the_flat_shards_out_again() -> None:
             torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_hooks_registered_on_a_parameter_run_when_its_gradient_is_handed_out() -> None:
+def test_hooks_registered_on_a_parameter_of_a_flat_run_as_autograd_runs_them() -> None:
     tokens = torch.randint(0, 32, (2, 8))
     with gloo_world_of_one():
         model, ref = _sharded()
@@ -306,6 +306,31 @@ def test_hooks_registered_on_a_parameter_run_when_its_gradient_is_handed_out() -
         _step(ref, tokens)
         assert seen == ["after"]
         torch.testing.assert_close(wq.grad, ref.layers[0].attn.wq.weight.grad)
+
+
+def test_autograd_grad_and_backward_inputs_see_the_parameters_of_a_flat() -> None:
+    """(NOTE [gradients through the parameters]) The compiled graph reads the flat, and the parameters are
+    still in the autograd graph: ``torch.autograd.grad`` returns eager's gradients without touching any
+    ``.grad``, and ``backward(inputs=...)`` fills only the ``.grad`` of those asked for."""
+    tokens = torch.randint(0, 32, (2, 8))
+    with gloo_world_of_one():
+        model, ref = _sharded()
+        compiled = torch.compile(model, backend=make_backend(elide_single_rank=False, inductor=False))
+        pairs = _pairs(model, ref)
+        ours = torch.autograd.grad(compiled(tokens).square().mean(), [p for _, p, _ in pairs])
+        theirs = torch.autograd.grad(ref(tokens).square().mean(), [r for _, _, r in pairs])
+        for (name, p, _), g, r in zip(pairs, ours, theirs):
+            assert p.grad is None, name
+            torch.testing.assert_close(g, r, msg=lambda m, name=name: f"{name}: {m}")
+        asked = [(name, p, r) for name, p, r in pairs if name.startswith("layers.1.")]
+        compiled(tokens).square().mean().backward(inputs=[p for _, p, _ in asked])
+        ref(tokens).square().mean().backward(inputs=[r for _, _, r in asked])
+        for name, p, r in pairs:
+            if r.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+        assert len(asked) == 9 and all(f.grad is None for m in model.layers for f in unit_of(m).flats)  # type: ignore[union-attr]
 
 
 def test_flat_false_keeps_each_shard_a_graph_input_of_its_own() -> None:

@@ -8,17 +8,22 @@ the unit's order, the ``flat``; each ``nn.Parameter`` stays the leaf the optimiz
 user reads, its storage now a view of the flat. Compiled code reads parameter ``i`` as the piece
 ``flat.narrow(0, offset_i, n_i).view(shape_i)`` (``reads.traced_unshard``), so Dynamo takes one input
 per unit and dtype; the backend gathers the flat in one copy and hands the reduce-scatter's output on as
-the flat's gradient (``passes/capture/group_markers.py``). After each backward, a hook on the flat hands
-each parameter its piece of that gradient as its ``.grad`` (a view; added to a ``.grad`` already there,
-as autograd accumulates), for the parameters that require grad; the flat's own ``.grad`` is then cleared. Where a
-unit's collectives are elided (one rank), compiled code takes the parameters themselves instead and
-autograd fills their ``.grad`` (NOTE [elided flats] in ``passes/capture/flat_inputs.py``).
+the flat's gradient (``passes/capture/group_markers.py``).
+
+NOTE [gradients through the parameters]: a compiled graph is not called with the flat itself. In its
+place it gets the flat as the output of an autograd function of the flat's parameters
+(:class:`_OfParams`: the flat's storage, no copy), whose backward cuts the flat's gradient into each
+parameter's piece (a view). So autograd, not a hook of ours, accumulates each piece into the
+parameter's ``.grad`` and runs the parameter's own hooks; a parameter frozen now gets none; and
+``torch.autograd.grad(loss, params)`` or ``backward(inputs=params)`` finds the parameters in the graph.
+The flat's own ``.grad`` stays ``None``. Where a unit's collectives are elided (one rank), compiled code
+takes the parameters themselves instead (NOTE [elided flats] in ``passes/capture/flat_inputs.py``).
 
 What keeps the two in step: the optimizer and ``load_state_dict`` write parameters in place, which
 writes the flat. ``module.to(...)``, ``.half()``, ``to_empty`` (``nn.Module._apply``) replace each
 parameter's data: the unit's module lays the flat out again afterwards (``FsdpModule._apply``). Any other
 replacement of a parameter's data (``p.data = t``) is found before the next compiled step runs
-(:func:`flat_check`): data of the same shape, dtype and device is copied into the flat and the
+(:func:`flat_inputs`): data of the same shape, dtype and device is copied into the flat and the
 parameter made its view again; anything else raises, naming the fix.
 
 A unit is laid out flat when it is no stacked block (``stack.py`` reads shards its own way) and it holds
@@ -33,8 +38,8 @@ others (the root: embedding, final norm, output head) reads its parameters
 around theirs, so their gradients exist at the two ends of backward; kept apart, each stretch is
 reduce-scattered as soon as it exists (NOTE [gradients in stretches] in ``passes/lower/markers.py``),
 where one flat gradient would hold the output head's bucket until the embedding's gradient. A parameter
-frozen later is still read from the flat (its gradient computed and reduced, never handed out: freeze
-before ``fully_shard`` to save that work).
+frozen later is still read from the flat (its gradient computed and reduced, and dropped: freeze before
+``fully_shard`` to save that work).
 """
 
 from __future__ import annotations
@@ -46,11 +51,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fsdp_compile.api.grads import as_shard_grad
 from fsdp_compile.api.materialize import rebind_params
 from fsdp_compile.api.units import ShardedParam, Unit, units_under
 
-__all__ = ["as_pieces", "elided_flats", "flat_check", "flat_member", "flatten_unit", "is_flat", "refresh_flat"]
+__all__ = ["as_pieces", "elided_flats", "flat_inputs", "flat_member", "flatten_unit", "is_flat", "refresh_flat"]
 
 _flats: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat tensor -> Unit
 
@@ -100,9 +104,7 @@ def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
                 sp.shard.data = piece.view(sp.shard.shape)
                 sp.flat, sp.offset, sp.piece_shape = flat, offset, tuple(sp.shard.shape)
                 offset += n
-        if trained:
-            flat.requires_grad_(True)
-            flat.register_post_accumulate_grad_hook(_hand_out(unit))
+        flat.requires_grad_(trained)  # (what the trace sees: NOTE [gradients through the parameters])
         unit.flats.append(flat)
         _flats[flat] = unit
 
@@ -125,56 +127,54 @@ def _aliases(sp: ShardedParam) -> bool:
             and p.data_ptr() == flat.data_ptr() + sp.offset * flat.element_size())
 
 
-def _hand_out(unit: Unit) -> Callable[[Tensor], None]:
-    """The flat's post-accumulate-grad hook: each parameter's piece of the flat's gradient becomes its
-    ``.grad`` (a :class:`ShardGrad` view, NOTE [global norms]), or is added to the one it has."""
-    group = unit.groups.all_gather.group_name
+class _OfParams(torch.autograd.Function):
+    """(NOTE [gradients through the parameters]) ``flat`` (detached) as a function of its ``params``: the
+    backward gives each parameter its piece of the flat's gradient."""
 
-    def hook(flat: Tensor) -> None:
-        grad = flat.grad
-        if grad is None:
-            return
-        flat.grad = None
-        for sp in unit.params:
-            p = sp.shard
-            if sp.flat is not flat or not p.requires_grad:
-                continue
-            piece = grad.detach().narrow(0, sp.offset, p.numel()).view(sp.piece_shape)
-            for grad_hook in _hooks(p, "_backward_hooks"):  # (p.register_hook), as autograd would run them
-                changed = grad_hook(piece)
-                piece = changed if changed is not None else piece
-            if p.grad is None:
-                p.grad = as_shard_grad(piece, group, sp.real_rows)
-            else:
-                p.grad.add_(piece)
-            for after in _hooks(p, "_post_accumulate_grad_hooks"):  # (optimizer-in-backward, say)
-                after(p)
+    @staticmethod
+    def forward(ctx: Any, flat: Tensor, pieces: list[tuple[int, int, tuple[int, ...]]], *params: Tensor) -> Tensor:
+        ctx.pieces = pieces
+        return flat
 
-    return hook
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        needed = ctx.needs_input_grad[2:]
+        return (None, None, *(grad.narrow(0, offset, n).view(shape) if need else None
+                              for (offset, n, shape), need in zip(ctx.pieces, needed)))
 
 
-def _hooks(p: Tensor, attribute: str) -> list[Callable[..., Any]]:
-    """The hooks a user registered on ``p`` (``register_hook``: ``_backward_hooks``, or
-    ``register_post_accumulate_grad_hook``), which compiled code reading the flat does not trigger."""
-    hooks = getattr(p, attribute, None)
-    return list(hooks.values()) if hooks else []
+def _of_params(flat: Tensor) -> Tensor:
+    members = _members(flat)
+    pieces = [(sp.offset, sp.shard.numel(), sp.piece_shape) for sp in members]
+    return _OfParams.apply(flat.detach(), pieces, *(sp.shard for sp in members))
 
 
-def flat_check(example_inputs: Sequence[object]) -> Callable[[], None] | None:
-    """For a compiled graph reading the flat shards among ``example_inputs``: a check to run before each
-    call, that each parameter's data is still its view of the flat (NOTE [flat shards]); ``None`` when
-    the graph reads none."""
-    units = list({id(u): u for t in example_inputs if isinstance(t, Tensor) and (u := _flats.get(t)) is not None}.values())
-    if not units:
+def flat_inputs(example_inputs: Sequence[object],
+                split: Collection[int] = ()) -> Callable[[Sequence[Any]], list[Any]] | None:
+    """For a compiled graph reading the flat shards among ``example_inputs``: what to call it with, made
+    from each call's arguments; ``None`` when it reads none. Each parameter's data is checked to be still
+    its view of the flat (NOTE [flat shards]); the flats at ``split`` become their parameters (NOTE [elided
+    flats]), and every other flat that requires grad, the flat as a function of its parameters (NOTE
+    [gradients through the parameters])."""
+    flats = [i for i, t in enumerate(example_inputs) if is_flat(t)]
+    if not flats:
         return None
+    units = list({id(u): u for i in flats if (u := _flats.get(example_inputs[i])) is not None}.values())
     members = [sp for u in units for sp in u.params if sp.flat is not None]
+    through = [i for i in flats if i not in split]
 
-    def check() -> None:
+    def prepare(args: Sequence[Any]) -> list[Any]:
         for sp in members:
             if sp.flat is not None and not _aliases(sp):
                 _heal(sp)
+        out = list(args)
+        if torch.is_grad_enabled():
+            for i in through:
+                if out[i].requires_grad:
+                    out[i] = _of_params(out[i])
+        return as_pieces(out, split) if split else out
 
-    return check
+    return prepare
 
 
 def _heal(sp: ShardedParam) -> None:

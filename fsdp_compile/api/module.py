@@ -34,7 +34,8 @@ from fsdp_compile.api.accumulate import set_requires_gradient_sync
 from fsdp_compile.api.flat_shard import refresh_flat
 from fsdp_compile.api.units import unit_of
 
-__all__ = ["OUTLINES", "OUTLINE_CANDIDATE", "FsdpModule", "forward_of", "is_outline_candidate", "mix_in", "outlining"]
+__all__ = ["OUTLINES", "OUTLINE_CANDIDATE", "FsdpModule", "forward_of", "is_outline_candidate", "mix_in", "outlining",
+           "reading_flats"]
 
 
 class FsdpModule:
@@ -88,6 +89,14 @@ def outlining() -> bool:
 
 # The attribute a backend function of make_backend carries: True when it keeps outlined bodies.
 OUTLINES = "fsdp_compile_outlines"
+
+
+@assume_constant_result
+def reading_flats() -> bool:
+    """Whether the graph being traced goes to a backend of ``make_backend`` (every one carries
+    ``OUTLINES``), which reads a unit's flat shard (NOTE [gradients through the parameters] in
+    ``flat_shard.py``); another backend's graph reads each parameter's shard, as autograd sees it."""
+    return hasattr(traced_for(), OUTLINES)
 
 
 def mix_in(module: nn.Module, *, outlined: bool = False) -> None:

@@ -12,6 +12,7 @@ import threading
 import torch
 from torch import Tensor, nn
 
+from fsdp_compile.api.module import reading_flats
 from fsdp_compile.api.units import ShardedParam
 from fsdp_compile.passes.graph_ops import UNSHARD_ARGS, arg_names
 
@@ -23,11 +24,12 @@ def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
     """The marker compiled code calls (NOTE [traced reads]); the arguments are computed once
     (``traced_args``), not re-read per trace. It reads ``shard`` when given (a stacked block's, NOTE
     [stacked blocks]), else the parameter's piece of its unit's flat shard where it has one (NOTE [flat
-    shards] in ``flat_shard.py``), else its shard. A parameter unfrozen since its flat was laid out
-    without gradients is read from its shard; only then is its ``requires_grad`` read, and guarded."""
+    shards] in ``flat_shard.py``) when our backend compiles the trace, else its shard. A parameter
+    unfrozen since its flat was laid out without gradients is read from its shard; only then is its
+    ``requires_grad`` read, and guarded."""
     if shard is None:
         flat = p.flat
-        from_flat = flat is not None and (flat.requires_grad or not p.shard.requires_grad)
+        from_flat = flat is not None and reading_flats() and (flat.requires_grad or not p.shard.requires_grad)
         shard = flat.narrow(0, p.offset, math.prod(p.piece_shape)).view(p.piece_shape) if from_flat else p.shard
     return torch.ops.fsdp.unshard(shard, *p.traced_args, accumulator(p))  # NOTE [outlined units]
 

@@ -153,9 +153,8 @@ def fully_shard(
     forward Dynamo cannot trace whole (a graph break inside it).
     ``flat``: lay the unit's shards out as one flat tensor per dtype that compiled code reads (NOTE [flat
     shards] in ``flat_shard.py``: one input per unit and dtype, a faster compile); the parameters stay
-    the leaves the optimizer updates, and get their ``.grad`` after each backward. Use ``False`` where
-    code differentiates with respect to the parameters themselves (``torch.autograd.grad(loss,
-    params)``), which compiled code does not read then.
+    the leaves the optimizer updates and autograd differentiates (``torch.autograd.grad(loss, params)``
+    works). ``False`` keeps each shard a graph input of its own: the same collectives, a slower compile.
     ``fully_shard`` of a :class:`~fsdp_compile.api.stack.BlockStack` shards each of its blocks as a unit
     of its own (what ``for block in stack: fully_shard(block, ...)`` does), and returns the stack; the
     blocks of a stack are compiled as one body (NOTE [stacked blocks] in ``stack.py``).

@@ -54,7 +54,7 @@ from fsdp_compile._compat import (
     timed,
 )
 from fsdp_compile.api import markers as _ops  # noqa: F401  (registers the marker ops)
-from fsdp_compile.api.flat_shard import as_pieces, elided_flats, flat_check, is_flat
+from fsdp_compile.api.flat_shard import as_pieces, elided_flats, flat_inputs, is_flat
 from fsdp_compile.api.module import OUTLINES
 from fsdp_compile.api.units import is_sharded
 from fsdp_compile.compiler import cache
@@ -236,7 +236,7 @@ def _make_backend(options: BackendOptions) -> Any:
         # (NOTE [elided flats]) AOTAutograd gets the parameters added as fakes with static sizes
         traced = as_pieces(given, split, static_fake) if split else inputs
         compiled = _aot_or_inline(aot_cached if cached else aot_uncached, gm, traced, options)
-        compiled = _checking_flats(compiled, flat_check(given), split)  # NOTE [flat shards] in flat_shard.py
+        compiled = _with_flat_inputs(compiled, flat_inputs(given, split))  # NOTE [flat shards] in flat_shard.py
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 
     setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]
@@ -275,17 +275,15 @@ def _split_elided_flats(gm: fx.GraphModule, example_inputs: Sequence[Any],
     return gm, frozenset(i for i in flats if names[i] not in left)
 
 
-def _checking_flats(compiled: Callable[..., Any], check: Callable[[], None] | None,
-                    split: frozenset[int] = frozenset()) -> Callable[..., Any]:
-    """``compiled``, checking before each call that the parameters are still views of the flat shards it
-    reads (NOTE [flat shards] in ``flat_shard.py``: ``p.data = t`` copied back in, or an error), and
-    called with the parameters of the flats at ``split`` in their place (NOTE [elided flats])."""
-    if check is None:
+def _with_flat_inputs(compiled: Callable[..., Any], prepare: Callable[[Sequence[Any]], list[Any]] | None
+                      ) -> Callable[..., Any]:
+    """``compiled``, called with what ``prepare`` makes of each call's arguments (``flat_inputs`` in
+    ``flat_shard.py``: the flat shards checked, split or passed as functions of their parameters)."""
+    if prepare is None:
         return compiled
 
     def run(*args: Any) -> Any:
-        check()
-        return compiled(*as_pieces(args, split)) if split else compiled(*args)
+        return compiled(*prepare(args))
 
     functools.update_wrapper(run, compiled)
     return run

@@ -245,6 +245,31 @@ def test_a_unit_of_two_dtypes_has_a_flat_of_each_and_trains_as_eager() -> None:
             torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_a_parameter_alone_in_its_unit_gets_a_flat_of_its_own_and_trains_as_eager() -> None:
+    """Blocks of one bias-free Linear each: every block's one parameter is a flat of its own, gathered
+    and reduced as it is, its gradient reaching the parameter through autograd."""
+    x = torch.randn(4, 8)
+    with gloo_world_of_one():
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 8, bias=False),
+                                  torch.nn.Linear(8, 2))
+        model = copy.deepcopy(ref)
+        groups = FsdpGroups.create()
+        _GROUPS.append(groups)
+        for block in (model[0], model[2]):
+            fully_shard(block, groups=groups)
+        fully_shard(model, groups=groups)
+        for block in (model[0], model[2]):
+            unit = unit_of(block)
+            assert unit is not None and len(unit.flats) == 1 and unit.flats[0].shape == (64,)
+        compiled = torch.compile(model, backend=make_backend(elide_single_rank=False, inductor=False))
+        for _ in range(2):
+            compiled(x).square().mean().backward()
+            ref(x).square().mean().backward()
+        for name, p, r in _pairs(model, ref):
+            torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_replaced_parameter_data_is_read_by_the_next_compiled_step() -> None:
     tokens = torch.randint(0, 32, (2, 8))
     with gloo_world_of_one():

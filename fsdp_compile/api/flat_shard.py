@@ -27,9 +27,9 @@ replacement of a parameter's data (``p.data = t``) is found before the next comp
 parameter made its view again; anything else raises, naming the fix.
 
 A unit is laid out flat when it is no stacked block (``stack.py`` reads shards its own way) and it holds
-no other unit: one flat per dtype, device and ``requires_grad`` that two or more of its parameters share
-(fp32 norms beside bf16 matrices make two flats, and two collectives each way, as per-parameter buckets
-of one dtype would; a parameter alone in its kind keeps its shard). Parameters frozen when
+no other unit: one flat per dtype, device and ``requires_grad`` of its parameters (fp32 norms beside bf16
+matrices make two flats, and two collectives each way, as per-parameter buckets of one dtype would; a
+parameter alone in its kind is a flat of its own). Parameters frozen when
 ``fully_shard`` runs (the base weights beside trainable adapters) get a flat that requires no gradient:
 gathered in one copy, never reduced (beside the unit's trained flat: two all-gathers where one bucket of
 its shards would be one). One of them unfrozen later is read from its own shard (the trace guards its
@@ -80,8 +80,7 @@ def _eligible(unit: Unit) -> bool:
 
 def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
     """(NOTE [flat shards]) Lay ``unit``'s shards out as one flat tensor per dtype, device and
-    ``requires_grad`` (when ``wanted`` and it is eligible; a kind with one parameter keeps its shard), each
-    parameter's data a view of its flat."""
+    ``requires_grad`` (when ``wanted`` and it is eligible), each parameter's data a view of its flat."""
     unit.flat_wanted = wanted
     for sp in unit.params:
         sp.flat, sp.offset = None, 0
@@ -92,8 +91,6 @@ def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
     for sp in unit.params:
         kinds.setdefault((sp.shard.dtype, sp.shard.device, sp.shard.requires_grad), []).append(sp)
     for (dtype, device, trained), members in kinds.items():
-        if len(members) < 2:
-            continue
         flat = torch.empty(sum(sp.shard.numel() for sp in members), dtype=dtype, device=device)
         offset = 0
         with torch.no_grad():

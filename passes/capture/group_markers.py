@@ -28,8 +28,8 @@ reduce-scatter's output *is* the flat's gradient, where AOTAutograd would otherw
 pieces' gradients (a zero tensor, and a ``slice_scatter`` and an add per piece). ``lower/markers.py``
 lowers both forms (NOTE [one lowering]).
 
-A parameter not in a flat (``fully_shard(flat=False)``, a ``BlockStack``, a unit that holds others, the
-only parameter of its dtype in its unit, one unfrozen since its flat was laid out: ``flatten_unit`` in
+A parameter not in a flat (``fully_shard(flat=False)``, a ``BlockStack``, a unit that holds others, one
+unfrozen since its flat was laid out: ``flatten_unit`` in
 ``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers: the same buckets in the end, more ops
 to trace. So does a flat read other than once per piece (a block called twice inline), whose gradient
 AOTAutograd then sums from its pieces'.
@@ -86,7 +86,7 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
             key = (flat_piece(a.shard)[0], *(getattr(a, k) for k in _SHARED), _value(a.shard).dtype)  # type: ignore[index, union-attr]
             groups.setdefault(key, []).append(marker)
         for key, group in groups.items():
-            if len(group) > 1 and group_flat(gm, group, order, list(key[1:-1])):
+            if group_flat(gm, group, order, list(key[1:-1])):
                 changed = True
     if changed:
         gm.graph.lint()

@@ -21,8 +21,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-compile": ("fsdp", {}),  # the default: identical blocks outlined (NOTE [outlined units])
     "fsdp-compile-whole": ("fsdp", {"outline": False}),  # one whole-model graph, every block inline
     "fsdp-compile-stacked": ("stacked", {}),  # the blocks as one BlockStack: traced once (NOTE [stacked blocks])
-    # each unit's shards apart, not one flat shard: fully_shard(flat=False) (NOTE [flat shards])
-    "fsdp-compile-apart": ("apart", {}),
     "fsdp2-compile": ("fsdp2", {}),
     # torchtitan's SimpleFSDP under Inductor's overlap bucketing (benchmarks/baselines.py; CUDA only)
     "simplefsdp": ("simplefsdp", {}),
@@ -95,10 +93,9 @@ def _prepare(variant: str, model: Any, device: str, world: int) -> Any:
     from benchmarks.workloads import stack_blocks
 
     groups = FsdpGroups.create()
-    flat = how != "apart"  # NOTE [flat shards]
     for block in [stack_blocks(model)] if how == "stacked" else model.layers:
-        fully_shard(block, groups=groups, flat=flat)
-    fully_shard(model, groups=groups, flat=flat)
+        fully_shard(block, groups=groups)
+    fully_shard(model, groups=groups)
     kw = dict(backend_kw)
     if device == "cuda" and world == 1:
         kw["elide_single_rank"] = False  # world 1 compiles the collectives of world N

@@ -28,16 +28,13 @@ VARIANTS: tuple[str, ...] = ("fsdp-compile", "fsdp-compile-whole", "fsdp-compile
                              "fsdp-compile-ag", "fsdp-compile-delayed", "fsdp2-eager",
                              "fsdp2-eager-one-group", "fsdp2-compile", *PEERS, "compile", "fsdp-compile-keep",
                              "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed",
-                             "fsdp-compile-stacked", "fsdp-compile-keep-stacked", "fsdp-compile-apart",
-                             "fsdp-compile-keep-apart")
+                             "fsdp-compile-stacked", "fsdp-compile-keep-stacked")
 _STACKED = ("fsdp-compile-stacked", "fsdp-compile-keep-stacked")  # one BlockStack (NOTE [stacked blocks])
-# each unit's shards apart, not one flat shard (fully_shard(flat=False): NOTE [flat shards])
-_APART = ("fsdp-compile-apart", "fsdp-compile-keep-apart")
 _KEEP = ("fsdp-compile-keep", "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed",
-         "fsdp-compile-keep-packed", "fsdp-compile-keep-stacked", "fsdp-compile-keep-apart")  # world 1 only
+         "fsdp-compile-keep-packed", "fsdp-compile-keep-stacked")  # world 1 only
 COMPARISONS: tuple[str, ...] = ("fsdp-compile-whole", "fsdp-compile-bucketed", "fsdp-compile-packed",
                                 "fsdp-compile-keep-whole", "fsdp-compile-keep-bucketed", "fsdp-compile-keep-packed",
-                                *_STACKED, *_APART)
+                                *_STACKED)
 """Variants that only take one of fsdp-compile's choices back (see ``_BACKEND_KW``): run when named."""
 DEFAULT_VARIANTS: tuple[str, ...] = tuple(v for v in VARIANTS if v not in COMPARISONS)
 OPTIMIZERS: tuple[str, ...] = ("fused", "foreach")
@@ -45,7 +42,6 @@ _DEDICATED = {"fsdp-compile": "reduce_scatter", "fsdp-compile-whole": "reduce_sc
               "fsdp-compile-bucketed": "reduce_scatter",
               "fsdp-compile-packed": "reduce_scatter", "fsdp-compile-ag": "all_gather", "fsdp-compile-delayed": "none",
               "fsdp-compile-stacked": "reduce_scatter",
-              "fsdp-compile-apart": "reduce_scatter",
               **{k: "reduce_scatter" for k in _KEEP}}
 _BUCKETED: dict[str, Any] = {"bucket_alone_bytes": None}  # every param bucketed, gathered in place
 _PACKED: dict[str, Any] = {"bucket_alone_bytes": None, "inplace_gather": False}  # bucketed, gathered then copied out
@@ -55,7 +51,6 @@ _BACKEND_KW: dict[str, dict[str, Any]] = {"fsdp-compile-delayed": {"schedule": "
                                           "fsdp-compile-bucketed": _BUCKETED, "fsdp-compile-packed": _PACKED,
                                           "fsdp-compile-keep": {"elide_single_rank": False},
                                           "fsdp-compile-keep-stacked": {"elide_single_rank": False},
-                                          "fsdp-compile-keep-apart": {"elide_single_rank": False},
                                           "fsdp-compile-keep-bucketed": {"elide_single_rank": False, **_BUCKETED},
                                           "fsdp-compile-keep-packed": {"elide_single_rank": False, **_PACKED}}
 
@@ -140,10 +135,9 @@ def build_variant(name: str, spec: ModelSpec, shared: SharedGroups, seed: int, o
         forward = build_simple_fsdp(model, shared.fsdp2_mesh())
     elif name in _DEDICATED:
         groups = shared.groups(_DEDICATED[name])
-        flat = name not in _APART
         for block in [stack_blocks(model)] if name in _STACKED else blocks_of(model):
-            fully_shard(block, groups=groups, flat=flat)
-        fully_shard(model, groups=groups, flat=flat)
+            fully_shard(block, groups=groups)
+        fully_shard(model, groups=groups)
         forward = torch.compile(model, backend=make_backend(**_BACKEND_KW.get(name, {})))
     elif name.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard

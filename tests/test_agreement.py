@@ -93,13 +93,11 @@ def test_agreeing_ranks_run() -> None:
     run_ranks(same_graph_everywhere, 2, timeout=120)
 
 
-@pytest.mark.parametrize("flat", [True, False])
-def test_fingerprint_lists_collectives_in_order(groups: FsdpGroups, flat: bool) -> None:
-    graphs = capture(shard_blocks_then_root(ThreeUnits(), groups, flat=flat), torch.randn(4, 8))
+def test_fingerprint_lists_collectives_in_order(groups: FsdpGroups) -> None:
+    graphs = capture(shard_blocks_then_root(ThreeUnits(), groups), torch.randn(4, 8))
     fwd = fingerprint(graphs["forward"])
-    # a flat shard is gathered as it is (NOTE [a flat gathers as it is] in passes/lower/bucket.py), a bucket
-    # of shards apart in place (NOTE [in-place all-gather])
-    gather = "all_gather_into_tensor" if flat else "all_gather_into_tensor_out"
+    # a flat shard is gathered as it is (NOTE [a flat gathers as it is] in passes/lower/bucket.py)
+    gather = "all_gather_into_tensor"
     assert fwd[:3] == [
         f"{gather}(unit 0, group g0, float32[36])",
         f"{gather}(unit 1, group g0, float32[36])",

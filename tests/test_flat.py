@@ -358,15 +358,6 @@ def test_autograd_grad_and_backward_inputs_see_the_parameters_of_a_flat() -> Non
         assert len(asked) == 9 and all(f.grad is None for m in model.layers for f in unit_of(m).flats)  # type: ignore[union-attr]
 
 
-def test_flat_false_keeps_each_shard_a_graph_input_of_its_own() -> None:
-    with fake_process_group(2):
-        torch.manual_seed(0)
-        model = shard_blocks_then_root(Transformer(CFG), FsdpGroups.create(), flat=False)
-        assert not any(unit_of(m).flats for m in [*model.layers, model])  # type: ignore[union-attr]
-        with pytest.raises(TypeError, match="flat must be True or False"):
-            fully_shard(torch.nn.Linear(2, 2), groups=FsdpGroups.create(), flat=1)  # type: ignore[arg-type]
-
-
 def test_where_collectives_are_elided_a_flat_is_read_as_its_parameters() -> None:
     """(NOTE [elided flats]) at one rank with the collectives elided (the default) the graph takes each
     parameter, not the flat: no flat gradient is built (no cat), and autograd gives each parameter its
@@ -414,24 +405,6 @@ def test_splitting_a_flat_input_reads_each_piece_from_an_input_of_its_own() -> N
 
     whole = fx.symbolic_trace(reads_whole)
     assert split_flat_inputs_pass(whole, pieces=layout) is whole
-
-
-def test_where_collectives_are_elided_flat_and_apart_units_compile_the_same_graphs() -> None:
-    """(NOTE [elided flats]) Inductor gets, op for op, the graphs of ``fully_shard(flat=False)``."""
-    tokens = torch.randint(0, 32, (1, 8))
-
-    def ops(flat: bool) -> dict[str, list[str]]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        groups = FsdpGroups.create()
-        _GROUPS.append(groups)
-        model = shard_blocks_then_root(Transformer(CFG), groups, flat=flat)
-        with observe_graphs() as seen:
-            _step(torch.compile(model, backend=make_backend(inductor=False)), tokens)
-        return {kind: [str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for kind, gm in seen}
-
-    with gloo_world_of_one():
-        assert ops(flat=True) == ops(flat=False)
 
 
 @pytest.mark.parametrize("frozen_at_compile", [False, True])

@@ -139,8 +139,7 @@ class OutputStridesTest(FakeWorldTestCase):
     def grad_strides(self, **backend_kw: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         torch.manual_seed(0)
         # width 1030: a weight row of 1030 floats is above Inductor's padding threshold (1024)
-        # flat=False: the gradients asked for are the parameters' own (NOTE [flat shards])
-        model = shard_blocks_then_root(Mlp(n_layers=3, width=1030), FsdpGroups.create(), flat=False)
+        model = shard_blocks_then_root(Mlp(n_layers=3, width=1030), FsdpGroups.create())
         compiled = torch.compile(model, backend=make_backend(**backend_kw))
         params = [p for p in model.parameters() if p.dim() == 2]
         padding = {"comprehensive_padding": True, "disable_padding_cpu": False}

@@ -78,14 +78,13 @@ def _eligible(unit: Unit) -> bool:
             and all(u is unit for u in units_under(unit.module)))
 
 
-def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
+def flatten_unit(unit: Unit) -> None:
     """(NOTE [flat shards]) Lay ``unit``'s shards out as one flat tensor per dtype, device and
-    ``requires_grad`` (when ``wanted`` and it is eligible), each parameter's data a view of its flat."""
-    unit.flat_wanted = wanted
+    ``requires_grad`` (when it is eligible), each parameter's data a view of its flat."""
     for sp in unit.params:
         sp.flat, sp.offset = None, 0
     unit.flats = []
-    if not wanted or not _eligible(unit):
+    if not _eligible(unit):
         return
     kinds: dict[tuple[torch.dtype, torch.device, bool], list[ShardedParam]] = {}
     for sp in unit.params:
@@ -106,14 +105,14 @@ def flatten_unit(unit: Unit, module: nn.Module, wanted: bool = True) -> None:
         _flats[flat] = unit
 
 
-def refresh_flat(module: nn.Module, unit: Unit) -> None:
-    """After a conversion of ``module`` (``module.to(...)``, ``to_empty``): rebind parameters the conversion
+def refresh_flat(unit: Unit) -> None:
+    """After a conversion of ``unit``'s module (``module.to(...)``, ``to_empty``): rebind parameters the conversion
     replaced (NOTE [converted parameters] in ``materialize.py``), and lay ``unit``'s flat out again from
     its parameters' data where any no longer is a view of it (NOTE [flat shards]); a unit built on the
     meta device gets its flat here."""
     rebound = rebind_params(unit)
     if rebound or not all(_aliases(sp) for sp in unit.params if sp.flat is not None):
-        flatten_unit(unit, module, unit.flat_wanted)
+        flatten_unit(unit)
 
 
 def _aliases(sp: ShardedParam) -> bool:

@@ -7,7 +7,7 @@ place: meta to CPU or CUDA (``to_empty`` after meta-device initialisation), or a
 holds the parameter, so a parameter shared by two modules comes back as two. A unit's records
 (``ShardedParam.shard``, the registry, the gradient hook) would then still point at the old meta tensor,
 and compiled code would read it (``FakeTensorDeviceMismatchError: meta and cpu``). :func:`rebind_params`,
-run after each conversion of a unit's module (``FsdpModule._apply`` through ``flat.refresh_flat``), makes
+run after each conversion of a unit's module (``FsdpModule._apply`` through ``flat_shard.refresh_flat``), makes
 the parameter the first owner now holds the unit's, puts that one object back into every other owner (the
 tie is kept), and registers the gradient hook on it; the unit's flat shard is then laid out again.
 

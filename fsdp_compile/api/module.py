@@ -52,7 +52,7 @@ class FsdpModule:
         out = super()._apply(fn, recurse)  # type: ignore[misc]
         unit = unit_of(self)  # type: ignore[arg-type]
         if unit is not None:
-            refresh_flat(self, unit)  # type: ignore[arg-type]
+            refresh_flat(unit)
         return out
 
 

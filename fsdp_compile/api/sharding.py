@@ -140,7 +140,6 @@ def fully_shard(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     outline: bool | None = None,
-    flat: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters that no earlier ``fully_shard`` call took, as one unit.
 
@@ -151,10 +150,10 @@ def fully_shard(
     units] in ``module.py``); ``None`` (default) outlines a unit that holds no other unit and shares
     its forward with another one, such as a transformer's blocks. Use ``False`` for a block whose
     forward Dynamo cannot trace whole (a graph break inside it).
-    ``flat``: lay the unit's shards out as one flat tensor per dtype that compiled code reads (NOTE [flat
+    The unit's shards are laid out as one flat tensor per dtype that compiled code reads (NOTE [flat
     shards] in ``flat_shard.py``: one input per unit and dtype, a faster compile); the parameters stay
     the leaves the optimizer updates and autograd differentiates (``torch.autograd.grad(loss, params)``
-    works). ``False`` keeps each shard a graph input of its own: the same collectives, a slower compile.
+    works).
     ``fully_shard`` of a :class:`~fsdp_compile.api.stack.BlockStack` shards each of its blocks as a unit
     of its own (what ``for block in stack: fully_shard(block, ...)`` does), and returns the stack; the
     blocks of a stack are compiled as one body (NOTE [stacked blocks] in ``stack.py``).
@@ -185,8 +184,6 @@ def fully_shard(
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
-    if not isinstance(flat, bool):
-        raise TypeError(f"fully_shard: flat must be True or False, got {flat!r}.")
     if outline is not None and not isinstance(outline, bool):
         raise TypeError(f"fully_shard: outline must be True, False or None (decide), got {outline!r}.")
 
@@ -194,7 +191,7 @@ def fully_shard(
         for block in module:
             if block not in _units:
                 fully_shard(block, groups=groups, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                            outline=outline, flat=flat)
+                            outline=outline)
         check_built_alike(module, unit_name, units_under(module), groups)  # NOTE [ranks built alike]
         return module
     _check_order(module, unit_name)
@@ -257,7 +254,7 @@ def fully_shard(
         _params[p] = sp
     if stack is not None:
         add_sharded_block(stack, module, unit)
-    flatten_unit(unit, module, flat)
+    flatten_unit(unit)
     _register_unit(module, unit, mp_policy)
     check_built_alike(module, unit_name, units_under(module), groups)  # NOTE [ranks built alike]
     return module

@@ -50,7 +50,6 @@ class Unit:
     outlined: bool = False  # an outline candidate: may share a body with identical blocks (NOTE [outlined units])
     stacked: bool = False  # a block of a BlockStack, traced once with the stack's other blocks (NOTE [stacked blocks])
     flats: list[Tensor] = field(default_factory=list)  # one per dtype: its shards, views of it (NOTE [flat shards])
-    flat_wanted: bool = True  # what fully_shard(flat=) asked for
     requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py; set through set_sync
     pending: bool = False  # accumulated full gradients not yet reduced; set through set_sync
     flush_queued: bool = False

@@ -28,7 +28,7 @@ reduce-scatter's output *is* the flat's gradient, where AOTAutograd would otherw
 pieces' gradients (a zero tensor, and a ``slice_scatter`` and an add per piece). ``lower/markers.py``
 lowers both forms (NOTE [one lowering]).
 
-A parameter not in a flat (``fully_shard(flat=False)``, a ``BlockStack``, a unit that holds others, one
+A parameter not in a flat (a ``BlockStack``, a unit that holds others, one
 unfrozen since its flat was laid out: ``flatten_unit`` in
 ``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers: the same buckets in the end, more ops
 to trace. So does a flat read other than once per piece (a block called twice inline), whose gradient

@@ -109,7 +109,7 @@ _define("fsdp::reduce_grad", _schema(REDUCE_GRAD_ARGS), "Tensor")
 # ---------------------------------------------------------------------------------------------
 
 _define("fsdp::unshard_flat", "Tensor flat, SymInt[] shard_ranks, SymInt[] shard_dims, SymInt[] ranks, SymInt[] dims, "
-        f"str names, {_schema(UNSHARD_SHARED)}", "Tensor[]")
+        f"str names, {_schema(UNSHARD_SHARED)}, Tensor[]? accumulate=None", "Tensor[]")
 _define("fsdp::reduce_grad_flat", f"Tensor[] grads, SymInt[] shard_ranks, SymInt[] shard_dims, str names, "
         f"{_schema(REDUCE_GRAD_SHARED)}", "Tensor")
 
@@ -141,7 +141,9 @@ def unshard_flat(flat: Tensor, shard_ranks: list[int], shard_dims: list[int], ra
     """``fsdp::unshard`` of each piece of the 1-D ``flat``: piece ``i`` is the next elements of ``flat``,
     of shape ``unflatten_shapes(shard_ranks, shard_dims)[i]``, the shard of the parameter
     ``names.split(NAMES_SEP)[i]`` of full shape ``unflatten_shapes(ranks, dims)[i]``; the pieces tile
-    ``flat``. ``shared``: the ``UNSHARD_SHARED`` arguments."""
+    ``flat``. ``shared``: the ``UNSHARD_SHARED`` arguments, then ``accumulate``: ``None``, or each
+    parameter's accumulation leaf (NOTE [no-sync] in ``fsdp_compile/api/accumulate.py``), which the
+    backward gives the full gradients, the flat none."""
     pieces = flat_pieces(flat, unflatten_shapes(shard_ranks, shard_dims))
     return _unshard_each(pieces, unflatten_shapes(ranks, dims), names, shared)
 
@@ -169,12 +171,17 @@ def _unshard_flat_setup(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
     common = by_name(UNSHARD_SHARED, shared)
     ctx.full = [(shape, common["param_dtype"] or flat.dtype) for shape in unflatten_shapes(ranks, dims)]
     ctx.device = flat.device
+    ctx.accumulating = len(shared) > len(UNSHARD_SHARED) and shared[-1] is not None
+    ctx.dtype = flat.dtype
     ctx.reduce_args = (shard_ranks, shard_dims, names, *in_order(REDUCE_GRAD_SHARED, **common, out_dtype=flat.dtype))
 
 
 def _unshard_flat_backward(ctx: Any, grads: list[Tensor | None]) -> tuple:
+    no_grads = (None,) * (5 + len(UNSHARD_SHARED))
+    if ctx.accumulating:  # no communication: each full gradient to its leaf, in the shard's dtype
+        return (None, *no_grads, [g.to(ctx.dtype) if g is not None else None for g in grads])
     flat_grad = torch.ops.fsdp.reduce_grad_flat(_full_or_zeros(grads, ctx.full, ctx.device), *ctx.reduce_args)
-    return (flat_grad,) + (None,) * (5 + len(UNSHARD_SHARED))
+    return (flat_grad, *no_grads)  # (an ``accumulate`` left at its default reaches autograd as no input)
 
 
 torch.library.impl("fsdp::unshard_flat", "CompositeExplicitAutograd")(unshard_flat)

@@ -248,7 +248,8 @@ class TestGroupMarkers(TestCase):
 
 def test_every_marker_follows_the_one_marker_spec() -> None:
     """(NOTE [one marker spec]) The markers' schemas name the arguments of ``UNSHARD_ARGS`` /
-    ``REDUCE_GRAD_ARGS``, in order and with those types; the flat markers end with the shared ones; the
+    ``REDUCE_GRAD_ARGS``, in order and with those types; the flat markers end with the shared ones (the flat
+    gather then with its accumulation leaves, NOTE [no-sync]); the
     reader ``marker_args`` and the arguments ``fully_shard`` builds for a read use those names."""
     def spelled(spec: tuple[tuple[str, str], ...]) -> str:
         return ", ".join(f"{type_} {name}" for name, type_ in spec)
@@ -256,9 +257,9 @@ def test_every_marker_follows_the_one_marker_spec() -> None:
     assert str(torch.ops.fsdp.unshard.default._schema).replace("=None", "") == (
         f"fsdp::unshard({spelled(UNSHARD_ARGS)}) -> Tensor")
     assert str(torch.ops.fsdp.reduce_grad.default._schema) == f"fsdp::reduce_grad({spelled(REDUCE_GRAD_ARGS)}) -> Tensor"
-    for op, shared in [(torch.ops.fsdp.unshard_flat, UNSHARD_SHARED),
-                       (torch.ops.fsdp.reduce_grad_flat, REDUCE_GRAD_SHARED)]:
-        assert str(op.default._schema).split(") -> ")[0].endswith(spelled(shared)), op
+    for op, tail in [(torch.ops.fsdp.unshard_flat, f"{spelled(UNSHARD_SHARED)}, Tensor[]? accumulate=None"),
+                     (torch.ops.fsdp.reduce_grad_flat, spelled(REDUCE_GRAD_SHARED))]:
+        assert str(op.default._schema).split(") -> ")[0].endswith(tail), op
     gm = _outlined_call(flat=False)
     marker = next(n for n in gm.graph.nodes if is_unshard(n))
     assert tuple(vars(marker_args(marker))) == arg_names(UNSHARD_ARGS)

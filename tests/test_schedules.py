@@ -284,8 +284,10 @@ class ScheduleTest(ScheduleCase):
 
     def test_no_sync(self) -> None:
         fwd, bwd = self.schedule(no_sync=True)
-        # set_requires_gradient_sync(False): the forward is unchanged, the backward has no
-        # reduce-scatter: full gradients go to local accumulation leaves (reduced once, later).
+        # set_requires_gradient_sync(False): the forward is unchanged (each unit's flat gathered as it is,
+        # NOTE [no-sync]), the backward has no reduce-scatter: full gradients go to local accumulation
+        # leaves (reduced once, later).
+        self.assertEqual(fwd, self.schedule()[0])
         self.assertExpectedInline(bwd, """\
 0  pack            unit 2  ag
 1  all_gather      unit 2  ag     all_gather      256 B

@@ -29,13 +29,12 @@ parameter made its view again; anything else raises, naming the fix.
 A unit is laid out flat when it is no stacked block (``stack.py`` reads shards its own way) and it holds
 no other unit: one flat per dtype, device and ``requires_grad`` of its parameters (fp32 norms beside bf16
 matrices make two flats, and two collectives each way, as per-parameter buckets of one dtype would; a
-parameter alone in its kind is a flat of its own). Parameters frozen when
-``fully_shard`` runs (the base weights beside trainable adapters) get a flat that requires no gradient:
-gathered in one copy, never reduced (beside the unit's trained flat: two all-gathers where one bucket of
-its shards would be one). One of them unfrozen later is read from its own shard (the trace guards its
-``requires_grad``, so the graph is compiled again), which gives it its gradient. A unit that holds
-others (the root: embedding, final norm, output head) reads its parameters
-around theirs, so their gradients exist at the two ends of backward; kept apart, each stretch is
+parameter alone in its kind is a flat of its own). Parameters frozen when ``fully_shard`` runs (the base
+weights beside trainable adapters) get a flat that requires no gradient: gathered in one copy, never
+reduced (beside the unit's trained flat: two all-gathers where one bucket of its shards would be one).
+One of them unfrozen later is read from its own shard (the trace guards its ``requires_grad``, so the
+graph is compiled again), which gives it its gradient. A unit that holds others (the root: embedding,
+final norm, output head) reads its parameters around theirs, so their gradients exist at the two ends of backward; kept apart, each stretch is
 reduce-scattered as soon as it exists (NOTE [gradients in stretches] in ``passes/lower/markers.py``),
 where one flat gradient would hold the output head's bucket until the embedding's gradient. A parameter
 frozen later is still read from the flat (its gradient computed and reduced, and dropped: freeze before
@@ -73,7 +72,7 @@ def flat_member(flat: object, offset: int) -> ShardedParam | None:
 
 
 def _eligible(unit: Unit) -> bool:
-    """Whether ``unit`` may be laid out flat at all; which of its dtypes get a flat ``flatten_unit`` decides."""
+    """Whether ``unit`` may be laid out flat: no stacked block, no meta tensor, no unit inside it."""
     return (not unit.stacked and all(sp.shard.device.type != "meta" for sp in unit.params)
             and all(u is unit for u in units_under(unit.module)))
 

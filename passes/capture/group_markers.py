@@ -36,7 +36,9 @@ AOTAutograd then sums from its pieces'.
 
 A flat marker carries the per-parameter markers' arguments: the shapes flattened (``flatten_shapes``),
 the names joined by ``NAMES_SEP`` (an op's schema takes no nested int lists and no string lists), every
-other argument shared.
+other argument shared, and the markers' accumulation leaves as a list where a unit accumulates without
+sync (NOTE [no-sync] in ``fsdp_compile/api/accumulate.py``): its backward then gives each leaf its full
+gradient and the flat none.
 """
 
 from __future__ import annotations
@@ -56,10 +58,9 @@ _SHARED = arg_names(UNSHARD_SHARED)  # alike for every marker one flat marker re
 
 
 def _groupable(marker: fx.Node, reader: Callable[[fx.Node], bool]) -> bool:
-    """A named marker, without an accumulator, read only by readers ``reader`` accepts, of a piece of a
-    flat shard with a value."""
+    """A named marker read only by readers ``reader`` accepts, of a piece of a flat shard with a value."""
     a = marker_args(marker)
-    return (a.accumulate is None and NAMES_SEP not in a.name and flat_piece(a.shard) is not None
+    return (NAMES_SEP not in a.name and flat_piece(a.shard) is not None
             and isinstance(_value(a.shard), Tensor) and all(reader(u) for u in marker.users))
 
 
@@ -83,10 +84,11 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
         groups: dict[tuple, list[fx.Node]] = {}
         for marker in markers:
             a = marker_args(marker)
-            key = (flat_piece(a.shard)[0], *(getattr(a, k) for k in _SHARED), _value(a.shard).dtype)  # type: ignore[index, union-attr]
+            key = (flat_piece(a.shard)[0], *(getattr(a, k) for k in _SHARED), a.accumulate is None,  # type: ignore[index]
+                   _value(a.shard).dtype)  # type: ignore[union-attr]
             groups.setdefault(key, []).append(marker)
         for key, group in groups.items():
-            if group_flat(gm, group, order, list(key[1:-1])):
+            if group_flat(gm, group, order, list(key[1:-2])):
                 changed = True
     if changed:
         gm.graph.lint()
@@ -115,10 +117,11 @@ def group_flat(gm: fx.GraphModule, markers: Sequence[fx.Node], order: dict[fx.No
                                               for a in args])
     ranks, dims = flatten_shapes([a.full_shape for a in args])
     first = min(markers, key=lambda m: order[m])
+    accumulate = [a.accumulate for a in args] if args[0].accumulate is not None else None
     with gm.graph.inserting_before(first):
         flat = gm.graph.call_function(torch.ops.fsdp.unshard_flat.default,
                                       (base, shard_ranks, shard_dims, ranks, dims, NAMES_SEP.join(a.name for a in args),
-                                       *shared))
+                                       *shared, accumulate))
     values = [m.meta.get("example_value") for _, m in ordered]
     if all(v is not None for v in values):
         flat.meta["example_value"] = list(values)

@@ -28,11 +28,10 @@ reduce-scatter's output *is* the flat's gradient, where AOTAutograd would otherw
 pieces' gradients (a zero tensor, and a ``slice_scatter`` and an add per piece). ``lower/markers.py``
 lowers both forms (NOTE [one lowering]).
 
-A parameter not in a flat (a ``BlockStack``, a unit that holds others, one
-unfrozen since its flat was laid out: ``flatten_unit`` in
-``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers: the same buckets in the end, more ops
-to trace. So does a flat read other than once per piece (a block called twice inline), whose gradient
-AOTAutograd then sums from its pieces'.
+A parameter not in a flat (a ``BlockStack``'s, a unit's that holds others, one unfrozen since its flat was
+laid out: ``flatten_unit`` in ``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers: the
+same buckets in the end, more ops to trace. So does a flat read other than once per piece (a block called
+twice inline), whose gradient AOTAutograd then sums from its pieces'.
 
 A flat marker carries the per-parameter markers' arguments: the shapes flattened (``flatten_shapes``),
 the names joined by ``NAMES_SEP`` (an op's schema takes no nested int lists and no string lists), every
@@ -84,11 +83,10 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
         groups: dict[tuple, list[fx.Node]] = {}
         for marker in markers:
             a = marker_args(marker)
-            key = (flat_piece(a.shard)[0], *(getattr(a, k) for k in _SHARED), a.accumulate is None,  # type: ignore[index]
-                   _value(a.shard).dtype)  # type: ignore[union-attr]
-            groups.setdefault(key, []).append(marker)
+            kind = (flat_piece(a.shard)[0], a.accumulate is None, _value(a.shard).dtype)  # type: ignore[index, union-attr]
+            groups.setdefault((*kind, *(getattr(a, k) for k in _SHARED)), []).append(marker)
         for key, group in groups.items():
-            if group_flat(gm, group, order, list(key[1:-2])):
+            if group_flat(gm, group, order, list(key[3:])):
                 changed = True
     if changed:
         gm.graph.lint()

@@ -58,6 +58,15 @@ def _pairs(model: torch.nn.Module, ref: torch.nn.Module) -> list[tuple[str, torc
     return out
 
 
+def _assert_grads_as_eager(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """Each parameter's ``.grad`` is its reference's: ``None`` where eager has none, else close."""
+    for name, p, r in _pairs(model, ref):
+        if r.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def _sharded(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(seed)
     ref = Transformer(CFG)
@@ -188,11 +197,7 @@ def test_parameters_frozen_before_sharding_train_as_eager_and_get_gradients_once
             theirs.requires_grad_(unfrozen)
             _step(compiled, tokens)
             _step(ref, tokens)
-            for name, p, r in _pairs(model, ref):
-                if r.grad is None:
-                    assert p.grad is None, name
-                else:
-                    torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+            _assert_grads_as_eager(model, ref)
             model.zero_grad()
             ref.zero_grad()
         assert all(f.grad is None for f in unit_of(model.layers[1]).flats)  # type: ignore[union-attr]
@@ -350,11 +355,7 @@ def test_autograd_grad_and_backward_inputs_see_the_parameters_of_a_flat() -> Non
         asked = [(name, p, r) for name, p, r in pairs if name.startswith("layers.1.")]
         compiled(tokens).square().mean().backward(inputs=[p for _, p, _ in asked])
         ref(tokens).square().mean().backward(inputs=[r for _, _, r in asked])
-        for name, p, r in pairs:
-            if r.grad is None:
-                assert p.grad is None, name
-            else:
-                torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+        _assert_grads_as_eager(model, ref)
         assert len(asked) == 9 and all(f.grad is None for m in model.layers for f in unit_of(m).flats)  # type: ignore[union-attr]
 
 
@@ -422,10 +423,6 @@ def test_where_collectives_are_elided_freezing_and_unfreezing_after_compiling_tr
             theirs.requires_grad_(not frozen)
             _step(compiled, tokens)
             _step(ref, tokens)
-            for name, p, r in _pairs(model, ref):
-                if r.grad is None:
-                    assert p.grad is None, name
-                else:
-                    torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"{name}: {m}")
+            _assert_grads_as_eager(model, ref)
             model.zero_grad()
             ref.zero_grad()

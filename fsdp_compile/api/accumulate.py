@@ -4,8 +4,9 @@ NOTE [no-sync]: while a unit does not sync, each read of a param passes a full-s
 leaf* to ``fsdp::unshard`` (a flat unit's reads, grouped, pass their leaves to one ``fsdp::unshard_flat``:
 NOTE [flat markers] in ``passes/capture/group_markers.py``); the marker's backward then sends the full
 gradient to that leaf's ``.grad`` (autograd accumulates it across microbatches, in the param's dtype)
-and gives the shard none, so the backward graph holds no reduce-scatter at all. The leaf is a zero-stride expansion of one element:
-only its gradient takes memory, like the unsharded gradients eager FSDP keeps in this mode.
+and gives the shard none, so the backward graph holds no reduce-scatter at all. The leaf is a
+zero-stride expansion of one element: only its gradient takes memory, like the unsharded gradients
+eager FSDP keeps in this mode.
 
 When the user turns sync back on, the next forward still reads through the leaves (the same compiled
 graph: its Dynamo guard is "not sync or pending"), and at the end of that backward one reduce per

@@ -34,11 +34,11 @@ weights beside trainable adapters) get a flat that requires no gradient: gathere
 reduced (beside the unit's trained flat: two all-gathers where one bucket of its shards would be one).
 One of them unfrozen later is read from its own shard (the trace guards its ``requires_grad``, so the
 graph is compiled again), which gives it its gradient. A unit that holds others (the root: embedding,
-final norm, output head) reads its parameters around theirs, so their gradients exist at the two ends of backward; kept apart, each stretch is
-reduce-scattered as soon as it exists (NOTE [gradients in stretches] in ``passes/lower/markers.py``),
-where one flat gradient would hold the output head's bucket until the embedding's gradient. A parameter
-frozen later is still read from the flat (its gradient computed and reduced, and dropped: freeze before
-``fully_shard`` to save that work).
+final norm, output head) reads its parameters around theirs, so their gradients exist at the two ends of
+backward; kept apart, each stretch is reduce-scattered as soon as it exists (NOTE [gradients in
+stretches] in ``passes/lower/markers.py``), where one flat gradient would hold the output head's bucket
+until the embedding's gradient. A parameter frozen later is still read from the flat (its gradient
+computed and reduced, and dropped: freeze before ``fully_shard`` to save that work).
 """
 
 from __future__ import annotations

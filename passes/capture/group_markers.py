@@ -83,7 +83,8 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
         groups: dict[tuple, list[fx.Node]] = {}
         for marker in markers:
             a = marker_args(marker)
-            kind = (flat_piece(a.shard)[0], a.accumulate is None, _value(a.shard).dtype)  # type: ignore[index, union-attr]
+            kind = (flat_piece(a.shard)[0], a.accumulate is None,  # type: ignore[index]
+                    _value(a.shard).dtype)  # type: ignore[union-attr]
             groups.setdefault((*kind, *(getattr(a, k) for k in _SHARED)), []).append(marker)
         for key, group in groups.items():
             if group_flat(gm, group, order, list(key[3:])):

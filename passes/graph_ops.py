@@ -171,7 +171,7 @@ def _unshard_flat_setup(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
     common = by_name(UNSHARD_SHARED, shared)
     ctx.full = [(shape, common["param_dtype"] or flat.dtype) for shape in unflatten_shapes(ranks, dims)]
     ctx.device = flat.device
-    ctx.accumulating = len(shared) > len(UNSHARD_SHARED) and shared[-1] is not None
+    ctx.accumulating = shared[len(UNSHARD_SHARED)] is not None  # (``accumulate``: setup sees every argument)
     ctx.dtype = flat.dtype
     ctx.reduce_args = (shard_ranks, shard_dims, names, *in_order(REDUCE_GRAD_SHARED, **common, out_dtype=flat.dtype))
 

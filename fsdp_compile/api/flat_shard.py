@@ -154,8 +154,8 @@ def flat_inputs(example_inputs: Sequence[object],
     flats = [i for i, t in enumerate(example_inputs) if is_flat(t)]
     if not flats:
         return None
-    units = list({id(u): u for i in flats if (u := _flats.get(example_inputs[i])) is not None}.values())
-    members = [sp for u in units for sp in u.params if sp.flat is not None]
+    units = {id(u): u for u in (_flats[example_inputs[i]] for i in flats)}
+    members = [sp for u in units.values() for sp in u.params if sp.flat is not None]
     through = [i for i in flats if i not in split]
 
     def prepare(args: Sequence[Any]) -> list[Any]:

@@ -5,6 +5,10 @@ For each variant (built as in ``benchmarks.step_time``, on one NCCL rank):
 * **kernel classes per step** from a ``torch.profiler`` trace: GPU time and count of matmuls, Triton
   kernels, NCCL kernels, copies (memcpy/memset and ATen copy/cat kernels), optimizer kernels and the
   rest; and the CPU time of a step (its ``ProfilerStep`` span: the host launching the step);
+* **where the GPU waits** in a step that starts and ends synchronized, as ``timed_step`` runs it: the
+  step's CPU span, the GPU's busy time in it (the union of its kernels), the wait before its first kernel
+  (the host's work before it launches anything: guards, hooks), and the longest gaps between kernels,
+  each named by the kernel after it and the CPU op that launched that kernel;
 * **memory at the peak** of one step from a CUDA memory snapshot
   (``torch.cuda.memory._record_memory_history``): the step's peak above what was allocated before it,
   and the allocations alive at that moment, largest first, each named by the source line that made it
@@ -18,6 +22,7 @@ Run on a GPU machine: ``python -m benchmarks.world1_costs --preset h200-mlp --va
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import linecache
@@ -37,7 +42,7 @@ import torch.distributed as dist
 
 from benchmarks.workloads import PRESETS, Runner, loss_of, make_batch
 from benchmarks.variants import VARIANTS, SharedGroups, build_variant, raise_recompile_limit, unavailable_reason
-from benchmarks.overlap import DEVICE_CATS, assign_steps, find_steps, load_trace, profile_steps
+from benchmarks.overlap import DEVICE_CATS, Event, assign_steps, find_steps, load_trace, profile_steps, union
 
 KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("nccl", r"nccl"),
@@ -82,6 +87,47 @@ def kernel_breakdown(trace: Path) -> dict[str, Any]:
     n = max(1, len(groups))
     for key, kernels in top.items():  # each kernel name's ms and count per step (layouts show in matmul names)
         out[key] = sorted(((k, sum(v) / 1e3 / n, len(v) // n) for k, v in kernels.items()), key=lambda x: -x[1])[:15]
+    return out
+
+
+def _launcher(launch: Event, cpu_ops: Sequence[Event]) -> str:
+    """The innermost CPU op (shortest span) on the launch's thread that contains the launch."""
+    inside = [o for o in cpu_ops if o.tid == launch.tid and o.ts_us <= launch.ts_us < o.end_us]
+    return min(inside, key=lambda o: o.dur_us).name[:100] if inside else launch.name
+
+
+def idle_breakdown(trace: Path, top: int = 10) -> dict[str, Any]:
+    """Per synchronized step (medians): CPU span, GPU busy ms, the wait before the first kernel, the idle
+    ms between kernels; and the longest gaps of all steps, per step, by (kernel after, launching op)."""
+    events = load_trace(trace)
+    spans = find_steps(events)
+    device = [e for e in events if e.cat in DEVICE_CATS]
+    others = [e for e in events if e.cat not in DEVICE_CATS]
+    groups = assign_steps(device, others, spans)
+    launches = {e.correlation: e for e in others if e.correlation is not None and e.cat in ("cuda_runtime", "cuda_driver")}
+    cpu_ops = [e for e in others if e.cat == "cpu_op"]
+    rows: list[dict[str, float]] = []
+    gaps: dict[tuple[str, str], float] = defaultdict(float)
+    for span in spans:
+        evs = sorted(groups.get(span.index, []), key=lambda e: e.ts_us)
+        if not evs:
+            continue
+        busy = union((e.ts_us, e.end_us) for e in evs)
+        first_at = {iv[0]: None for iv in busy}
+        after = {e.ts_us: e for e in evs if e.ts_us in first_at}
+        for (_, end), (start, _) in zip(busy, busy[1:]):
+            nxt = after[start]
+            launch = launches.get(nxt.correlation)
+            op = _launcher(launch, cpu_ops) if launch is not None else "?"
+            gaps[(nxt.name[:80], op)] += (start - end) / 1e3
+        rows.append({"cpu_span_ms": (span.end_us - span.start_us) / 1e3,
+                     "gpu_busy_ms": sum(b - a for a, b in busy) / 1e3,
+                     "before_first_kernel_ms": (busy[0][0] - span.start_us) / 1e3,
+                     "between_kernels_ms": (busy[-1][1] - busy[0][0] - sum(b - a for a, b in busy)) / 1e3})
+    n = max(1, len(rows))
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
+    out["largest_gaps"] = [{"ms_per_step": round(ms / n, 4), "kernel_after": k, "launched_by": op}
+                           for (k, op), ms in sorted(gaps.items(), key=lambda kv: -kv[1])[:top]]
     return out
 
 
@@ -144,8 +190,15 @@ def snapshot_step(runner: Runner, spec: Any, batch: Any, keep: Path | None) -> d
     return live_at_peak(snap, baseline)
 
 
-def measure(names: Sequence[str], preset: str, out: Path, snapshot_of: Sequence[str], optimizer: str) -> dict:
-    spec = PRESETS[preset]
+def synced_step(runner: Runner, spec: Any, batch: Any) -> None:
+    torch.cuda.synchronize()
+    runner.step(spec, batch)
+    torch.cuda.synchronize()
+
+
+def measure(names: Sequence[str], preset: str, out: Path, snapshot_of: Sequence[str], optimizer: str,
+            batch_size: int | None = None) -> dict:
+    spec = PRESETS[preset] if batch_size is None else dataclasses.replace(PRESETS[preset], batch=batch_size)
     device = torch.device("cuda", 0)
     raise_recompile_limit(len(names))
     shared = SharedGroups(device, 1)
@@ -171,6 +224,9 @@ def measure(names: Sequence[str], preset: str, out: Path, snapshot_of: Sequence[
                 trace = profile_steps(lambda: runner.step(spec, batch), steps=3, warmup=1,
                                       out_path=Path(tmp) / "t.json")
                 results[name] = {"kernels": kernel_breakdown(trace), "losses": losses}
+                synced = profile_steps(lambda: synced_step(runner, spec, batch), steps=3, warmup=1,
+                                       out_path=Path(tmp) / "s.json")
+                results[name]["idle"] = idle_breakdown(synced)
             keep = out / f"snapshot-{name}.pickle.gz" if name in snapshot_of else None
             results[name]["memory"] = snapshot_step(runner, spec, batch, keep)
         except Exception as e:  # report and go on with the next variant
@@ -207,6 +263,11 @@ def print_tables(results: dict[str, Any]) -> None:
             print(f"\n{name}: alive at the peak ({r['memory']['peak_above_start_mib']:.0f} MiB above the step's start)")
             for row in r["memory"]["live_at_peak"][:12]:
                 print(f"  {row['mib']:8.1f} MiB x{row['count']:<3} {row['made_by']}")
+            idle = r.get("idle", {})
+            if idle:
+                print("  synchronized step: " + ", ".join(f"{k} {v:.2f}" for k, v in idle.items() if k != "largest_gaps"))
+                for g in idle["largest_gaps"][:8]:
+                    print(f"    gap {g['ms_per_step']:7.3f} ms/step before {g['kernel_after']} ({g['launched_by']})")
             for key in ("top_non_matmul", "top_matmul"):
                 print(f"  {key.replace('_', ' ')} kernels (ms/step, n):")
                 for kname, ms, n in r["kernels"][key][:8]:
@@ -219,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--variants", default="compile,fsdp-compile,fsdp-compile-keep")
     p.add_argument("--snapshot", default="fsdp-compile-keep", help="variants whose raw snapshot is saved")
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused")
+    p.add_argument("--batch", type=int, help="sequences per step (overrides the preset)")
     p.add_argument("--out", default=".")
     ns = p.parse_args(argv)
     names = [v for v in ns.variants.split(",") if v]
@@ -232,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        results = measure(names, ns.preset, out, ns.snapshot.split(","), ns.optimizer)
+        results = measure(names, ns.preset, out, ns.snapshot.split(","), ns.optimizer, ns.batch)
     finally:
         dist.destroy_process_group()
     (out / "world1_costs.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

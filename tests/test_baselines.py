@@ -5,6 +5,8 @@ on CPU (both need CUDA: see the reasons); world1_costs' snapshot replay. And the
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from benchmarks import baselines
 from benchmarks.variants import unavailable_reason
-from benchmarks.world1_costs import kernel_class, live_at_peak
+from benchmarks.world1_costs import idle_breakdown, kernel_class, live_at_peak
 
 c10d = torch.ops._c10d_functional
 
@@ -82,6 +84,22 @@ def test_live_at_peak_replays_allocations() -> None:
     out = live_at_peak({"device_traces": [trace]}, baseline=2**20)
     assert out["peak_above_start_mib"] == pytest.approx(150 / 2**20) and out["baseline_mib"] == 1.0
     assert sorted(r["count"] for r in out["live_at_peak"]) == [1, 1]  # 100 B (generated code) and 50 B
+
+
+def test_idle_breakdown_names_the_wait_and_the_gaps(tmp_path: Path) -> None:
+    def x(name: str, cat: str, ts: float, dur: float, tid: int = 1, corr: int | None = None) -> dict:
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid,
+                "args": {} if corr is None else {"correlation": corr}}
+    events = [x("ProfilerStep#1", "user_annotation", 0, 100),  # kernels at 10-30 and 50-60: waits 10 and 20
+              x("aten::mm", "cpu_op", 1, 3), x("cudaLaunchKernel", "cuda_runtime", 2, 1, corr=1),
+              x("guard_check", "cpu_op", 4, 30), x("cuLaunchKernel", "cuda_driver", 33, 1, corr=2),
+              x("gemm", "kernel", 10, 20, tid=7, corr=1), x("triton_poi_0", "kernel", 50, 10, tid=7, corr=2)]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    out = idle_breakdown(trace)
+    assert out["before_first_kernel_ms"] == pytest.approx(0.01) and out["gpu_busy_ms"] == pytest.approx(0.03)
+    assert out["between_kernels_ms"] == pytest.approx(0.02)
+    assert out["largest_gaps"] == [{"ms_per_step": 0.02, "kernel_after": "triton_poi_0", "launched_by": "guard_check"}]
 
 
 def test_kernel_classes() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import tempfile
 from collections.abc import Iterator
 
@@ -20,7 +21,7 @@ from torch import fx
 from fsdp_compile import FsdpGroups, fully_shard, make_backend
 from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import ModelConfig, Transformer
-from fsdp_compile.api.units import unit_of
+from fsdp_compile.api.units import FLATS, unit_of
 from fsdp_compile.passes.capture.flat_inputs import split_flat_inputs_pass
 from fsdp_compile.passes.predicates import is_flat_reduce_grad, is_flat_unshard
 
@@ -92,6 +93,22 @@ def test_a_unit_s_parameters_are_views_of_its_flat_shard() -> None:
             for sp in unit.params:
                 assert sp.shard.data_ptr() == flat.data_ptr() + sp.offset * flat.element_size()
                 assert sp.shard.is_leaf and isinstance(sp.shard, torch.nn.Parameter)
+
+
+def test_compiled_reads_find_each_flat_under_a_key_naming_its_unit_and_a_dropped_model_leaves() -> None:
+    # (NOTE [one guard per read] in fsdp_compile/api/reads.py) keys name the unit in its model, so the same
+    # model built again reads its flats under the same keys; a second live model's get a suffix
+    with fake_process_group(2):
+        model, _ = _sharded()
+        other, _ = _sharded()
+        mine, theirs = ({sp.flat_key: unit_of(b).flats[0] for b in m.layers for sp in unit_of(b).params}
+                        for m in (model, other))
+        assert all(FLATS[k] is flat and k.startswith(f"layers.{i}#0") for i, (k, flat) in enumerate(mine.items()))
+        assert len(theirs) == CFG.n_layers and not set(mine) & set(theirs)
+        assert all(k.split("~")[0] == m.split("~")[0] for k, m in zip(theirs, mine))
+        del model
+        gc.collect()
+        assert not set(mine) & set(FLATS) and set(theirs) <= set(FLATS)
 
 
 def test_dynamo_takes_one_input_per_unit_and_backward_returns_each_flat_gradient_whole() -> None:

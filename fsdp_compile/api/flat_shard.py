@@ -43,19 +43,31 @@ computed and reduced, and dropped: freeze before ``fully_shard`` to save that wo
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_compile.api.materialize import rebind_params
-from fsdp_compile.api.units import ShardedParam, Unit, units_under
+from fsdp_compile.api.units import FLATS, ShardedParam, Unit, units_under
 
-__all__ = ["as_pieces", "elided_flats", "flat_inputs", "flat_member", "flatten_unit", "is_flat", "refresh_flat"]
+__all__ = ["as_pieces", "elided_flats", "flat_inputs", "flat_member", "flatten_unit", "is_flat", "key_flats", "refresh_flat"]
 
 _flats: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat tensor -> Unit
+
+
+class _Layout(NamedTuple):
+    """What a call of compiled code needs of a flat, kept on the flat (``flat._fsdp_layout``): its key in
+    ``FLATS``, its members' parameters in offset order, where each one's data must start (a parameter
+    whose data was replaced starts elsewhere), and each one's (offset, elements, shape)."""
+
+    key: str
+    params: tuple[nn.Parameter, ...]
+    data_ptrs: tuple[int, ...]
+    pieces: tuple[tuple[int, int, tuple[int, ...]], ...]
 
 
 def is_flat(tensor: object) -> bool:
@@ -80,8 +92,11 @@ def _eligible(unit: Unit) -> bool:
 def flatten_unit(unit: Unit) -> None:
     """(NOTE [flat shards]) Lay ``unit``'s shards out as one flat tensor per dtype, device and
     ``requires_grad`` (when it is eligible), each parameter's data a view of its flat."""
+    for flat in unit.flats:
+        _forget(flat)
     for sp in unit.params:
-        sp.flat, sp.offset = None, 0
+        sp.flat, sp.offset, sp.flat_key = None, 0, ""
+        sp.replan()
     unit.flats = []
     if not _eligible(unit):
         return
@@ -100,8 +115,39 @@ def flatten_unit(unit: Unit) -> None:
                 sp.flat, sp.offset, sp.piece_shape = flat, offset, tuple(sp.shard.shape)
                 offset += n
         flat.requires_grad_(trained)  # (what the trace sees: NOTE [gradients through the parameters])
+        flat._fsdp_layout = _Layout("", tuple(sp.shard for sp in members), tuple(sp.shard.data_ptr() for sp in members),
+                                    tuple((sp.offset, sp.shard.numel(), sp.piece_shape) for sp in members))
         unit.flats.append(flat)
         _flats[flat] = unit
+        weakref.finalize(unit.module, _forget, flat)
+    key_flats(unit)
+
+
+def key_flats(unit: Unit) -> None:
+    """Enter ``unit``'s flats in ``FLATS`` (NOTE [one guard per read] in ``reads.py``) under keys made of
+    the unit's name in its model (``layers.3#0``), which Dynamo's graph then names its inputs after: the same
+    model built again, in another process or after the first is dropped, compiles to the same graph (so
+    AOTAutograd's cache serves it: NOTE [warm start] in ``compiler/cache.py``). A key another live model
+    holds gets a suffix. Run again whenever the unit's name changes (``fully_shard`` of a unit around it)."""
+    for k, flat in enumerate(unit.flats):
+        _forget(flat)
+        key, n = f"{unit.fqn}#{k}", 0
+        while key in FLATS:
+            n += 1
+            key = f"{unit.fqn}#{k}~{n}"
+        FLATS[key] = flat
+        flat._fsdp_layout = flat._fsdp_layout._replace(key=key)
+        for sp in unit.params:
+            if sp.flat is flat:
+                sp.flat_key = key
+                sp.replan()
+
+
+def _forget(flat: Tensor) -> None:
+    """Take ``flat`` out of ``FLATS`` (its unit laid out again, renamed, or its module dropped)."""
+    key = flat._fsdp_layout.key
+    if FLATS.get(key) is flat:
+        del FLATS[key]
 
 
 def refresh_flat(unit: Unit) -> None:
@@ -139,9 +185,8 @@ class _OfParams(torch.autograd.Function):
 
 
 def _of_params(flat: Tensor) -> Tensor:
-    members = _members(flat)
-    pieces = [(sp.offset, sp.shard.numel(), sp.piece_shape) for sp in members]
-    return _OfParams.apply(flat.detach(), pieces, *(sp.shard for sp in members))
+    layout = flat._fsdp_layout
+    return _OfParams.apply(flat.detach(), layout.pieces, *layout.params)
 
 
 def flat_inputs(example_inputs: Sequence[object],
@@ -154,14 +199,15 @@ def flat_inputs(example_inputs: Sequence[object],
     flats = [i for i, t in enumerate(example_inputs) if is_flat(t)]
     if not flats:
         return None
-    units = {id(u): u for u in (_flats[example_inputs[i]] for i in flats)}
-    members = [sp for u in units.values() for sp in u.params if sp.flat is not None]
     through = [i for i in flats if i not in split]
 
     def prepare(args: Sequence[Any]) -> list[Any]:
-        for sp in members:
-            if sp.flat is not None and not _aliases(sp):
-                _heal(sp)
+        for i in flats:
+            layout = args[i]._fsdp_layout
+            if tuple(map(Tensor.data_ptr, layout.params)) != layout.data_ptrs:
+                for sp in _members(args[i]):
+                    if not _aliases(sp):
+                        _heal(sp)
         out = list(args)
         if torch.is_grad_enabled():
             for i in through:
@@ -211,15 +257,15 @@ def _members(flat: Tensor) -> list[ShardedParam]:
     return [sp for sp in _flats[flat].params if sp.flat is flat]
 
 
-def as_pieces(args: Sequence[Any], split: Collection[int],
-              wrap: Callable[[Tensor], Any] = lambda t: t) -> list[Any]:
+def as_pieces(args: Sequence[Any], split: Collection[int], wrap: Callable[[Tensor], Any] | None = None) -> list[Any]:
     """``args`` with each flat shard at an index in ``split`` replaced by its members' parameters (each
     passed through ``wrap``), in offset order: the inputs of a graph whose flats were split (NOTE [elided
     flats])."""
     out: list[Any] = []
     for i, a in enumerate(args):
         if i in split:
-            out.extend(wrap(sp.shard) for sp in _members(a))
+            params = a._fsdp_layout.params
+            out.extend(params if wrap is None else map(wrap, params))
         else:
             out.append(a)
     return out

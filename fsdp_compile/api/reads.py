@@ -6,14 +6,13 @@ A sharded module's parameter is a property (``sharding.py`` installs it); read w
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
 from torch import Tensor, nn
 
 from fsdp_compile.api.module import reading_flats
-from fsdp_compile.api.units import ShardedParam
+from fsdp_compile.api.units import FLATS, ShardedParam
 from fsdp_compile.passes.graph_ops import UNSHARD_ARGS, arg_names
 
 __all__ = ["accumulator", "eager_args", "forward_depth_hooks", "in_eager_forward", "traced_property",
@@ -21,22 +20,31 @@ __all__ = ["accumulator", "eager_args", "forward_depth_hooks", "in_eager_forward
 
 
 def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
-    """The marker compiled code calls (NOTE [traced reads]); the arguments are computed once
-    (``traced_args``), not re-read per trace. It reads ``shard`` when given (a stacked block's, NOTE
-    [stacked blocks]), else the parameter's piece of its unit's flat shard where it has one (NOTE [flat
-    shards] in ``flat_shard.py``) when our backend compiles the trace, else its shard. A parameter
-    unfrozen since its flat was laid out without gradients is read from its shard; only then is its
-    ``requires_grad`` read, and guarded."""
+    """The marker compiled code calls (NOTE [traced reads]), its constants from ``p.read_plan`` (NOTE [one
+    guard per read]). It reads ``shard`` when given (a stacked block's, NOTE [stacked blocks]), else the
+    parameter's piece of its unit's flat shard where it has one (NOTE [flat shards] in ``flat_shard.py``)
+    when our backend compiles the trace, else its shard. A parameter unfrozen since its flat was laid out
+    without gradients is read from its shard; only then is its ``requires_grad`` read, and guarded.
+
+    NOTE [one guard per read]: every compiled call first checks the guards Dynamo made of what the trace
+    read, and the first kernel waits for that check: the step's host time before the GPU has work. A read
+    takes its constants from one tuple, ``ShardedParam.read_plan`` (the flat's key, the piece's offset,
+    size and shape, the marker's arguments, whether the unit accumulates), which Dynamo guards as one
+    value, where the fields apart were a guard each. It finds the flat in ``FLATS``, one path for all of
+    a flat's members, where each member's own path to the flat made Dynamo add a Python guard that the
+    paths lead to one tensor. The plan is rebuilt whenever a field it copies changes
+    (``ShardedParam.replan``)."""
+    key, offset, numel, piece_shape, args, accumulating = p.read_plan
     if shard is None:
-        flat = p.flat
+        flat = FLATS[key] if key else None
         from_flat = flat is not None and reading_flats() and (flat.requires_grad or not p.shard.requires_grad)
-        shard = flat.narrow(0, p.offset, math.prod(p.piece_shape)).view(p.piece_shape) if from_flat else p.shard
-    return torch.ops.fsdp.unshard(shard, *p.traced_args, accumulator(p))  # NOTE [outlined units]
+        shard = flat.narrow(0, offset, numel).view(piece_shape) if from_flat else p.shard
+    return torch.ops.fsdp.unshard(shard, *args, p.accumulator if accumulating else None)  # NOTE [outlined units]
 
 
 def accumulator(p: ShardedParam) -> Tensor | None:
     """The leaf a read passes while its unit accumulates without sync (NOTE [no-sync]), else ``None``."""
-    return p.accumulator if p.accumulating else None
+    return p.accumulator if p.unit.accumulating else None
 
 
 _forwards = threading.local()  # how many units' forwards run eagerly on this thread

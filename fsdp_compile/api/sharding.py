@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from fsdp_compile._compat import tree_map_only
-from fsdp_compile.api.flat_shard import flatten_unit
+from fsdp_compile.api.flat_shard import flatten_unit, key_flats
 from fsdp_compile.api.gathered import gathered
 from fsdp_compile.api.groups import FsdpGroups
 from fsdp_compile.api.materialize import check_built_alike, hand_out_global_grads, local_sums, register_grad_hook
@@ -238,8 +238,7 @@ def fully_shard(
         sp = seen.get(p)
         if sp is None:
             p.grad = None
-            sp = ShardedParam(shard=p, full_shape=tuple(p.shape), local_name=fqn, unit=unit,
-                             accumulating=unit.accumulating)
+            sp = ShardedParam(shard=p, full_shape=tuple(p.shape), local_name=fqn, unit=unit)
             seen[p] = sp
             unit.params.append(sp)
         pname = fqn.rsplit(".", 1)[-1]
@@ -352,11 +351,13 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
     _choose_outlined(order)
     for i, unit in enumerate(order):
         unit.index = i
+        key_flats(unit)  # its flats' keys name it (NOTE [one guard per read] in reads.py)
         for sp in unit.params:
             sp.marker_values = _marker_values(sp)
             anonymous = unit.outlined or unit.stacked  # alike blocks trace alike: NOTE [outlined units]
             traced = {**sp.marker_values, "unit": ANONYMOUS_UNIT, "name": ""} if anonymous else sp.marker_values
             sp.traced_args = read_args(traced)
+            sp.replan()
 
 
 def _choose_outlined(units: list[Unit]) -> None:

@@ -6,6 +6,7 @@ dropped model frees its entries and no setting is stored as an attribute of a us
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -62,14 +63,14 @@ class Unit:
         return not self.requires_grad_sync or self.pending
 
     def set_sync(self, *, requires_grad_sync: bool | None = None, pending: bool | None = None) -> None:
-        """Set what :attr:`accumulating` reads and hand it to each param, which keeps a copy of its own
-        (``ShardedParam.accumulating``)."""
+        """Set what :attr:`accumulating` reads and hand it to each param's ``read_plan``, where compiled reads
+        check it (NOTE [one guard per read] in ``reads.py``)."""
         if requires_grad_sync is not None:
             self.requires_grad_sync = requires_grad_sync
         if pending is not None:
             self.pending = pending
         for p in self.params:
-            p.accumulating = self.accumulating
+            p.replan()
 
     @property
     def module(self) -> nn.Module:
@@ -93,23 +94,34 @@ class ShardedParam:
     marker_values: dict[str, object] = field(default_factory=dict)  # fsdp::unshard's constant arguments by name,
     # set whenever units are (re)numbered
     traced_args: tuple = ()  # what compiled code passes instead: no unit or name when outlined (NOTE [outlined units])
-    # Its unit's ``accumulating``, kept by the unit: a compiled read checks this flag of its own, not the
-    # unit every param of it shares (which Dynamo guards, for each param, as one object).
-    accumulating: bool = False
     # NOTE [flat shards] in flat_shard.py: the unit's flat tensor that ``shard`` is a view of, from element
     # ``offset`` on; compiled code reads that piece of it. ``None``: compiled code reads ``shard``.
     flat: Tensor | None = None
     offset: int = 0
     piece_shape: tuple[int, ...] = ()  # the shard's shape, as compiled code views its piece
+    flat_key: str = ""  # the flat's key in ``FLATS``, where compiled reads find it ("": no flat)
+    # Every constant a compiled read takes, in one tuple that Dynamo guards as one value (NOTE [one
+    # guard per read] in reads.py): (flat_key, offset, elements, piece_shape, traced_args, accumulating).
+    read_plan: tuple = ()
     # (module, name) of every module that reads it as ``module.<name>`` (NOTE [converted parameters] in
     # materialize.py), weakly: the registry must not keep a dropped model alive.
     owners: list[tuple[weakref.ref[nn.Module], str]] = field(default_factory=list)
+
+    def replan(self) -> None:
+        """Recompute :attr:`read_plan` from the fields it copies (after any of them changes)."""
+        self.read_plan = (self.flat_key, self.offset, math.prod(self.piece_shape), self.piece_shape,
+                          self.traced_args, self.unit.accumulating)
 
     @property
     def fqn(self) -> str:
         """Name relative to the newest root that ``fully_shard`` was called on."""
         return f"{self.unit.fqn}.{self.local_name}" if self.unit.fqn else self.local_name
 
+
+FLATS: dict[str, Tensor] = {}
+"""Every unit's flat shards by key (``ShardedParam.flat_key``), where compiled reads find them: one place
+for all the members of a flat, so that Dynamo reaches each flat by one path (NOTE [one guard per read]).
+``flat_shard.key_flats`` enters a unit's flats; those replaced, renamed or of a dropped module leave."""
 
 # Module -> unit and shard -> param, keyed weakly so that dropping a model frees everything.
 _units: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()

@@ -104,7 +104,8 @@ def idle_breakdown(trace: Path, top: int = 10) -> dict[str, Any]:
     device = [e for e in events if e.cat in DEVICE_CATS]
     others = [e for e in events if e.cat not in DEVICE_CATS]
     groups = assign_steps(device, others, spans)
-    launches = {e.correlation: e for e in others if e.correlation is not None and e.cat in ("cuda_runtime", "cuda_driver")}
+    launches = {e.correlation: e for e in others
+                if e.correlation is not None and e.cat in ("cuda_runtime", "cuda_driver")}
     cpu_ops = [e for e in others if e.cat == "cpu_op"]
     rows: list[dict[str, float]] = []
     gaps: dict[tuple[str, str], float] = defaultdict(float)
@@ -265,7 +266,8 @@ def print_tables(results: dict[str, Any]) -> None:
                 print(f"  {row['mib']:8.1f} MiB x{row['count']:<3} {row['made_by']}")
             idle = r.get("idle", {})
             if idle:
-                print("  synchronized step: " + ", ".join(f"{k} {v:.2f}" for k, v in idle.items() if k != "largest_gaps"))
+                times = ", ".join(f"{k} {v:.2f}" for k, v in idle.items() if k != "largest_gaps")
+                print(f"  synchronized step: {times}")
                 for g in idle["largest_gaps"][:8]:
                     print(f"    gap {g['ms_per_step']:7.3f} ms/step before {g['kernel_after']} ({g['launched_by']})")
             for key in ("top_non_matmul", "top_matmul"):

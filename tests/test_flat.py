@@ -101,7 +101,7 @@ def test_compiled_reads_find_each_flat_under_a_key_naming_its_unit_and_a_dropped
     with fake_process_group(2):
         model, _ = _sharded()
         other, _ = _sharded()
-        mine, theirs = ({sp.flat_key: unit_of(b).flats[0] for b in m.layers for sp in unit_of(b).params}
+        mine, theirs = ({sp.read_plan[0]: unit_of(b).flats[0] for b in m.layers for sp in unit_of(b).params}
                         for m in (model, other))
         assert all(FLATS[k] is flat and k.startswith(f"layers.{i}#0") for i, (k, flat) in enumerate(mine.items()))
         assert len(theirs) == CFG.n_layers and not set(mine) & set(theirs)

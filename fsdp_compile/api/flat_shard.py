@@ -54,7 +54,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fsdp_compile.api.materialize import rebind_params
 from fsdp_compile.api.units import FLATS, ShardedParam, Unit, units_under
 
-__all__ = ["as_pieces", "elided_flats", "flat_inputs", "flat_member", "flatten_unit", "is_flat", "key_flats", "refresh_flat"]
+__all__ = ["as_pieces", "elided_flats", "flat_inputs", "flat_member", "flatten_unit", "is_flat", "key_flats",
+           "refresh_flat"]
 
 _flats: WeakIdKeyDictionary = WeakIdKeyDictionary()  # flat tensor -> Unit
 
@@ -95,7 +96,7 @@ def flatten_unit(unit: Unit) -> None:
     for flat in unit.flats:
         _forget(flat)
     for sp in unit.params:
-        sp.flat, sp.offset, sp.flat_key = None, 0, ""
+        sp.flat, sp.offset = None, 0
         sp.replan()
     unit.flats = []
     if not _eligible(unit):
@@ -115,7 +116,8 @@ def flatten_unit(unit: Unit) -> None:
                 sp.flat, sp.offset, sp.piece_shape = flat, offset, tuple(sp.shard.shape)
                 offset += n
         flat.requires_grad_(trained)  # (what the trace sees: NOTE [gradients through the parameters])
-        flat._fsdp_layout = _Layout("", tuple(sp.shard for sp in members), tuple(sp.shard.data_ptr() for sp in members),
+        flat._fsdp_layout = _Layout("", tuple(sp.shard for sp in members),
+                                    tuple(sp.shard.data_ptr() for sp in members),
                                     tuple((sp.offset, sp.shard.numel(), sp.piece_shape) for sp in members))
         unit.flats.append(flat)
         _flats[flat] = unit
@@ -139,7 +141,6 @@ def key_flats(unit: Unit) -> None:
         flat._fsdp_layout = flat._fsdp_layout._replace(key=key)
         for sp in unit.params:
             if sp.flat is flat:
-                sp.flat_key = key
                 sp.replan()
 
 

@@ -99,9 +99,8 @@ class ShardedParam:
     flat: Tensor | None = None
     offset: int = 0
     piece_shape: tuple[int, ...] = ()  # the shard's shape, as compiled code views its piece
-    flat_key: str = ""  # the flat's key in ``FLATS``, where compiled reads find it ("": no flat)
     # Every constant a compiled read takes, in one tuple that Dynamo guards as one value (NOTE [one
-    # guard per read] in reads.py): (flat_key, offset, elements, piece_shape, traced_args, accumulating).
+    # guard per read] in reads.py): (the flat's key, offset, elements, piece_shape, traced_args, accumulating).
     read_plan: tuple = ()
     # (module, name) of every module that reads it as ``module.<name>`` (NOTE [converted parameters] in
     # materialize.py), weakly: the registry must not keep a dropped model alive.
@@ -109,7 +108,8 @@ class ShardedParam:
 
     def replan(self) -> None:
         """Recompute :attr:`read_plan` from the fields it copies (after any of them changes)."""
-        self.read_plan = (self.flat_key, self.offset, math.prod(self.piece_shape), self.piece_shape,
+        key = self.flat._fsdp_layout.key if self.flat is not None else ""  # (in FLATS; "": no flat)
+        self.read_plan = (key, self.offset, math.prod(self.piece_shape), self.piece_shape,
                           self.traced_args, self.unit.accumulating)
 
     @property
@@ -119,7 +119,7 @@ class ShardedParam:
 
 
 FLATS: dict[str, Tensor] = {}
-"""Every unit's flat shards by key (``ShardedParam.flat_key``), where compiled reads find them: one place
+"""Every unit's flat shards by key (``read_plan[0]`` of their members), where compiled reads find them: one place
 for all the members of a flat, so that Dynamo reaches each flat by one path (NOTE [one guard per read]).
 ``flat_shard.key_flats`` enters a unit's flats; those replaced, renamed or of a dropped module leave."""
 

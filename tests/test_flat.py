@@ -11,6 +11,7 @@ import contextlib
 import copy
 import gc
 import tempfile
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -325,8 +326,11 @@ def test_module_to_lays_the_flat_shards_out_again() -> None:
     tokens = torch.randint(0, 32, (2, 8))
     with gloo_world_of_one():
         model, ref = _sharded()
+        old = [weakref.ref(f) for b in model.layers for f in unit_of(b).flats]  # type: ignore[union-attr]
         model.to(torch.float64)
         ref.to(torch.float64)
+        gc.collect()
+        assert all(f() is None for f in old)  # the fp32 flats laid out before are freed
         for module in model.layers:
             unit = unit_of(module)
             assert [f.dtype for f in unit.flats] == [torch.float64]  # type: ignore[union-attr]

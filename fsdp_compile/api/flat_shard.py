@@ -121,7 +121,7 @@ def flatten_unit(unit: Unit) -> None:
                                     tuple((sp.offset, sp.shard.numel(), sp.piece_shape) for sp in members))
         unit.flats.append(flat)
         _flats[flat] = unit
-        weakref.finalize(unit.module, _forget, flat)
+        weakref.finalize(unit.module, _forget, weakref.ref(flat))  # (weakly: a flat laid out again is freed)
     key_flats(unit)
 
 
@@ -144,8 +144,12 @@ def key_flats(unit: Unit) -> None:
                 sp.replan()
 
 
-def _forget(flat: Tensor) -> None:
+def _forget(flat: Tensor | weakref.ref[Tensor]) -> None:
     """Take ``flat`` out of ``FLATS`` (its unit laid out again, renamed, or its module dropped)."""
+    if isinstance(flat, weakref.ref):
+        flat = flat()
+        if flat is None:
+            return
     key = flat._fsdp_layout.key
     if FLATS.get(key) is flat:
         del FLATS[key]

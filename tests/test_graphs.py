@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
+from torch import fx
 
 from fsdp_compile import FsdpGroups, make_backend
+from fsdp_compile.api.markers import ANONYMOUS_UNIT
+from fsdp_compile.compiler.outlined_markers import name_markers
 from fsdp_compile.compiler.pipeline import PASS_NAMES, STAGES, BackendOptions
 from fsdp_compile.examples.models import Transformer
-from fsdp_compile.passes.predicates import is_all_gather, is_reduce_scatter
+from fsdp_compile.passes.predicates import is_all_gather, is_reduce_scatter, is_unshard, marker_args
 
 from .graph_utils import SMALL, capture, collectives, gathered_values, shard_blocks_then_root
 
@@ -83,3 +91,32 @@ def test_disabled_passes_take_the_name_of_any_pass_the_backend_runs() -> None:
     assert BackendOptions(disabled_passes=["name_markers", "absorb"]).disabled_passes == ("name_markers", "absorb")
     with pytest.raises(ValueError, match=r"disabled_passes \['nope'\] match no pass; known: \['split_flat_inputs', 'outline'"):
         make_backend(disabled_passes=["absorb", "nope"])
+
+
+def _markers(gm: fx.GraphModule) -> list[SimpleNamespace]:
+    return [marker_args(n) for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+            if is_unshard(n)]
+
+
+@pytest.mark.parametrize("outline", [None, False])
+def test_a_traced_read_names_no_unit_and_the_backend_names_every_marker(groups: FsdpGroups, outline: bool | None) -> None:
+    """(NOTE [anonymous reads]) Dynamo's graph holds no unit numbering, for blocks and root alike; before
+    any pass looks at a marker, ``name_markers`` gives it the unit and name of the parameter it reads
+    (a piece of its unit's flat shard, or a shard of its own)."""
+    model = shard_blocks_then_root(Transformer(SMALL), groups, outline=outline)
+    backend, seen = make_backend(inductor=False), {}
+
+    @functools.wraps(backend)  # (our backend still: NOTE [regions for our backend only])
+    def spy(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        seen["traced"] = _markers(gm)
+        seen["named"] = _markers(name_markers(copy.deepcopy(gm), example_inputs=example_inputs))
+        return backend(gm, example_inputs)
+
+    torch.compile(model, backend=spy, fullgraph=True)(_tokens()).sum().backward()
+    names = {name for name, _ in Transformer(SMALL).named_parameters()}
+    assert len(seen["traced"]) == len(names)
+    assert {(m.unit, m.name) for m in seen["traced"]} == {(ANONYMOUS_UNIT, "")}
+    assert {m.name for m in seen["named"]} == names
+    blocks = len(Transformer(SMALL).layers)
+    assert {m.unit for m in seen["named"] if m.name.startswith("layers.")} == set(range(blocks))
+    assert {m.unit for m in seen["named"] if not m.name.startswith("layers.")} == {blocks}  # the root, last

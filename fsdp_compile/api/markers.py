@@ -35,9 +35,11 @@ from fsdp_compile.passes.graph_ops import REDUCE_GRAD_ARGS, UNSHARD_ARGS, by_nam
 
 __all__ = ["ANONYMOUS_UNIT", "unshard", "reduce_grad", "reduce_full_grad", "shard_rows"]
 
-# The unit argument of a marker traced inside an outlined unit's forward, which every unit of its kind
-# shares: the backend fills in the unit (and the name, traced as "") from the shard
-# (NOTE [outlined units] in module.py).
+# NOTE [anonymous reads]: the unit argument of every traced marker (its name is traced as ""). A read
+# traces the same whichever unit it belongs to, so alike blocks trace alike (NOTE [outlined units] in
+# module.py) and a Dynamo graph holds no unit numbering; the backend names each marker after the shard it
+# reads (``name_markers`` in ``compiler/outlined_markers.py``), before any pass looks at it. Eager reads
+# are named.
 ANONYMOUS_UNIT = -1
 
 _warned = threading.Event()
@@ -118,7 +120,8 @@ def _gather_eagerly(x: Tensor, world_size: int, group: str, name: str) -> Tensor
     except RuntimeError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise RuntimeError(
-            f"fsdp_compile: gathering {name} outside compiled code failed ({first}). Reading a sharded "
+            f"fsdp_compile: gathering {name or 'a sharded parameter'} outside compiled code failed ({first}). "
+            "Reading a sharded "
             "parameter outside a graph compiled by fsdp_backend is a collective: every rank of its group "
             "must read it at the same point (not `if rank == 0: print(module.weight)`). To read this rank's "
             "rows without communication, use fsdp_compile.local_shard(module, name)."

@@ -354,9 +354,8 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
         key_flats(unit)  # its flats' keys name it (NOTE [one guard per read] in reads.py)
         for sp in unit.params:
             sp.marker_values = _marker_values(sp)
-            anonymous = unit.outlined or unit.stacked  # alike blocks trace alike: NOTE [outlined units]
-            traced = {**sp.marker_values, "unit": ANONYMOUS_UNIT, "name": ""} if anonymous else sp.marker_values
-            sp.traced_args = read_args(traced)
+            # NOTE [anonymous reads] in markers.py: a traced read names no unit; the backend names it
+            sp.traced_args = read_args({**sp.marker_values, "unit": ANONYMOUS_UNIT, "name": ""})
             sp.replan()
 
 

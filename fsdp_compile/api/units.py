@@ -93,7 +93,7 @@ class ShardedParam:
     accumulator: Tensor | None = None  # the leaf that collects full grads without sync (accumulate.py)
     marker_values: dict[str, object] = field(default_factory=dict)  # fsdp::unshard's constant arguments by name,
     # set whenever units are (re)numbered
-    traced_args: tuple = ()  # what compiled code passes instead: no unit or name when outlined (NOTE [outlined units])
+    traced_args: tuple = ()  # what compiled code passes instead: no unit or name (NOTE [anonymous reads])
     # NOTE [flat shards] in flat_shard.py: the unit's flat tensor that ``shard`` is a view of, from element
     # ``offset`` on; compiled code reads that piece of it. ``None``: compiled code reads ``shard``.
     flat: Tensor | None = None

@@ -1,12 +1,13 @@
-"""Outlined bodies before AOTAutograd: every ``fsdp::unshard`` marker named after the shard it reads.
+"""Before AOTAutograd: every ``fsdp::unshard`` marker named after the shard it reads; which bodies stay.
 
-Dynamo hands the backend each outlined unit's forward as calls of one ``invoke_subgraph`` body (NOTE
-[outlined units] in ``module.py``) whose markers carry no unit or name. The capture stage
-(``pipeline.py``) hoists them out to the calls (``passes/capture/hoist.py``), inlines the bodies that
-cannot stay outlined (a marker left inside, too few ops, called once, ``make_backend(outline=False)``,
-or inside another higher-order op's body such as an activation-checkpointed block), then
-:func:`name_markers` gives each anonymous marker the unit and name of the shard it reads: what only the
-compiler knows, as it holds the example inputs and the sharded parameters behind them.
+A traced read names no unit or parameter (NOTE [anonymous reads] in ``fsdp_compile/api/markers.py``), so
+Dynamo hands the backend alike blocks as calls of one ``invoke_subgraph`` body (NOTE [outlined units] in
+``module.py``). The capture stage (``pipeline.py``) hoists the markers out of the bodies to the calls
+(``passes/capture/hoist.py``), inlines the bodies that cannot stay outlined (:func:`worth_a_call`: a marker
+left inside, too few ops; called once, ``make_backend(outline=False)``, or inside another higher-order
+op's body such as an activation-checkpointed block), then :func:`name_markers` gives every marker the unit
+and name of the shard it reads: what only the compiler knows, as it holds the example inputs and the
+sharded parameters behind them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ __all__ = ["name_markers", "worth_a_call"]
 
 
 def name_markers(gm: fx.GraphModule, *, example_inputs: Sequence[Any]) -> fx.GraphModule:
-    """Each anonymous marker of ``gm`` and of the bodies it calls given the unit and name of the shard it
-    reads (NOTE [outlined units])."""
+    """Each marker of ``gm`` and of the bodies it calls given the unit and name of the shard it reads (NOTE
+    [anonymous reads])."""
     _name_markers(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
     return gm
 
@@ -49,7 +50,7 @@ def _value(gm: fx.GraphModule, values: dict[fx.Node, object], node: object) -> o
 
 
 def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
-    """Name each anonymous marker of ``gm`` (and of the bodies it calls) after its shard; ``values``: the
+    """Name each marker of ``gm`` (and of the bodies it calls) after its shard; ``values``: the
     tensors ``gm``'s placeholders stand for."""
     for node in gm.graph.nodes:
         if is_unshard(node) and marker_args(node).unit == ANONYMOUS_UNIT:

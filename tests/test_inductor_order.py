@@ -8,6 +8,7 @@ launches and waits in the generated code with the scheduled FX graph's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -21,6 +22,7 @@ from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile.safety import agreement
 
 from fsdp_compile.safety import lockstep
+from fsdp_compile.compiler import backend
 from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.inspection.schedule import rows
 from fsdp_compile.passes.predicates import is_all_gather, waited_collective
@@ -109,8 +111,10 @@ class InductorOrderTest(FakeWorldTestCase):
         self.assertEqual(emitted, fx)
 
     def test_without_pinning_inductor_undoes_the_schedule(self) -> None:
-        # The control: Inductor's own reordering moves waits back next to their launches.
-        fx, emitted = self.compiled_orders(pin_order=False)
+        # The control: without the backend's patch, Inductor's own reordering moves waits back next to
+        # their launches.
+        with mock.patch.object(backend, "inductor_config_patch", lambda changes: contextlib.nullcontext()):
+            fx, emitted = self.compiled_orders()
         self.assertNotEqual(emitted, fx)
 
     def test_the_check_in_runs_before_every_collective(self) -> None:

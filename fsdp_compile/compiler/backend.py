@@ -155,23 +155,22 @@ def _compile_graph(
             dump(gm, options.dump_dir, f"{kind}_{graph_id}", hw)
     for observer in _observers:
         observer(kind, gm)
-    compiled = _inductor(gm, example_inputs, options=options, graph_id=graph_id, is_backward=is_backward,
+    compiled = _inductor(gm, example_inputs, graph_id=graph_id, is_backward=is_backward,
                          is_inference=is_inference) if options.inductor else make_boxed_func(gm.forward)
     return lockstep.note_failures(compiled, boxed=True) if identity is not None else compiled
 
 
-def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: BackendOptions, graph_id: int,
-              is_backward: bool, is_inference: bool) -> Callable[..., Any]:
+def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, graph_id: int, is_backward: bool,
+              is_inference: bool) -> Callable[..., Any]:
     # NOTE [pinning the schedule]: Inductor's memory-driven reordering moves collectives back next to
-    # their waits (prefetches sink, reduce-scatter waits rise), undoing the schedule. With it off, the
-    # generated code issues collectives and waits in the FX order (tests/test_schedules.py checks
-    # the emitted code). Patched per compile, never globally.
-    # With outlined bodies, Inductor's memory reordering gives wrong gradients
-    # (NOTE [regions for our backend only] in module.py): it stays off for them even with pin_order=False.
+    # their waits (prefetches sink, reduce-scatter waits rise), undoing the schedule, and with outlined
+    # bodies it gives wrong gradients (NOTE [regions for our backend only] in module.py). With it off, the
+    # generated code issues collectives and waits in the FX order (tests/test_inductor_order.py checks
+    # the emitted code, and that without the patch the order is not kept). Patched per compile, never
+    # globally.
     keep_output_strides(gm, None if is_backward or is_inference else forward_user_outputs())  # NOTE [output strides]
-    calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
-    patches = {"reorder_for_peak_memory": False} if options.pin_order or calls else {}
-    with inductor_config_patch(patches), lowering_outlined_bodies():  # NOTE [donated subgraph inputs]
+    pinned = inductor_config_patch({"reorder_for_peak_memory": False})
+    with pinned, lowering_outlined_bodies():  # NOTE [donated subgraph inputs]
         return compile_fx_inner(
             gm,
             example_inputs,

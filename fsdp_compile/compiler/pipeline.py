@@ -64,8 +64,6 @@ class BackendOptions:
     lets every wait sink to the end of backward."""
     inductor: bool = True
     """``False`` runs the scheduled FX graphs without Inductor (for debugging)."""
-    pin_order: bool = True
-    """``False`` lets Inductor reorder collectives by its own memory heuristics (for comparison)."""
     elide_single_rank: bool = True
     """``False`` keeps the collectives of one-rank groups (for measuring their cost)."""
     inplace_gather: bool = True

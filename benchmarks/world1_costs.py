@@ -9,6 +9,9 @@ For each variant (built as in ``benchmarks.step_time``, on one NCCL rank):
   step's CPU span, the GPU's busy time in it (the union of its kernels), the wait before its first kernel
   (the host's work before it launches anything: guards, hooks), and the longest gaps between kernels,
   each named by the kernel after it and the CPU op that launched that kernel;
+* **the same steps without the profiler**: their median, and what the caching allocator did per step
+  (device mallocs and frees, retries after a failed malloc, syncs of every stream), under the process's
+  ``PYTORCH_CUDA_ALLOC_CONF``: whether a difference the profiled steps do not show is the allocator's;
 * **memory at the peak** of one step from a CUDA memory snapshot
   (``torch.cuda.memory._record_memory_history``): the step's peak above what was allocated before it,
   and the allocations alive at that moment, largest first, each named by the source line that made it
@@ -132,6 +135,24 @@ def idle_breakdown(trace: Path, top: int = 10) -> dict[str, Any]:
     return out
 
 
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+"""Counters of ``torch.cuda.memory_stats()`` that mean work outside the step's kernels: a device malloc or
+free (a free waits for the device), a retry after a failed malloc (the cache freed first), a sync of all streams."""
+
+
+def per_step_counts(before: dict[str, Any], after: dict[str, Any], steps: int) -> dict[str, float]:
+    """:data:`ALLOCATOR_COUNTERS` per step between two ``torch.cuda.memory_stats()`` (0 where absent)."""
+    return {k: (after.get(k, 0) - before.get(k, 0)) / max(steps, 1) for k in ALLOCATOR_COUNTERS}
+
+
+def unprofiled_steps(runner: Runner, spec: Any, batch: Any, steps: int = 10) -> dict[str, Any]:
+    """``steps`` synchronized steps without the profiler: the median ms and the allocator's work per step."""
+    before = torch.cuda.memory_stats()
+    times = [runner.timed_step(spec, batch, cuda=True)[0] for _ in range(steps)]
+    return {"step_ms": statistics.median(times) * 1e3, **per_step_counts(before, torch.cuda.memory_stats(), steps),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+
+
 def _label(frames: Sequence[dict[str, Any]]) -> str:
     """The first frame of generated or project code, as ``file:line: source``."""
     for f in frames:
@@ -221,6 +242,7 @@ def measure(names: Sequence[str], preset: str, out: Path, snapshot_of: Sequence[
                 runner.opt.step()
                 runner.opt.zero_grad(set_to_none=True)
                 losses.append(float(loss))
+            unprofiled = unprofiled_steps(runner, spec, batch)
             with tempfile.TemporaryDirectory() as tmp:
                 trace = profile_steps(lambda: runner.step(spec, batch), steps=3, warmup=1,
                                       out_path=Path(tmp) / "t.json")
@@ -228,6 +250,7 @@ def measure(names: Sequence[str], preset: str, out: Path, snapshot_of: Sequence[
                 synced = profile_steps(lambda: synced_step(runner, spec, batch), steps=3, warmup=1,
                                        out_path=Path(tmp) / "s.json")
                 results[name]["idle"] = idle_breakdown(synced)
+                results[name]["unprofiled"] = unprofiled
             keep = out / f"snapshot-{name}.pickle.gz" if name in snapshot_of else None
             results[name]["memory"] = snapshot_step(runner, spec, batch, keep)
         except Exception as e:  # report and go on with the next variant
@@ -264,6 +287,11 @@ def print_tables(results: dict[str, Any]) -> None:
             print(f"\n{name}: alive at the peak ({r['memory']['peak_above_start_mib']:.0f} MiB above the step's start)")
             for row in r["memory"]["live_at_peak"][:12]:
                 print(f"  {row['mib']:8.1f} MiB x{row['count']:<3} {row['made_by']}")
+            plain = r.get("unprofiled")
+            if plain:
+                counts = ", ".join(f"{k[4:]} {plain[k]:g}" for k in ALLOCATOR_COUNTERS)
+                print(f"  without the profiler: {plain['step_ms']:.2f} ms per synchronized step; per step {counts} "
+                      f"(PYTORCH_CUDA_ALLOC_CONF={plain['alloc_conf'] or 'unset'})")
             idle = r.get("idle", {})
             if idle:
                 times = ", ".join(f"{k} {v:.2f}" for k, v in idle.items() if k != "largest_gaps")

@@ -102,12 +102,12 @@ def test_idle_breakdown_names_the_wait_and_the_gaps(tmp_path: Path) -> None:
     assert out["largest_gaps"] == [{"ms_per_step": 0.02, "kernel_after": "triton_poi_0", "launched_by": "guard_check"}]
 
 
-
 def test_allocator_counts_per_step() -> None:
     before = {"num_device_alloc": 10, "num_device_free": 2, "num_alloc_retries": 0}
     after = {"num_device_alloc": 30, "num_device_free": 12, "num_alloc_retries": 5, "num_sync_all_streams": 5}
     assert per_step_counts(before, after, 10) == {"num_device_alloc": 2.0, "num_device_free": 1.0,
                                                   "num_alloc_retries": 0.5, "num_sync_all_streams": 0.5}
+
 
 def test_kernel_classes() -> None:
     assert kernel_class("ncclDevKernel_AllGather_RING_LL") == "nccl"

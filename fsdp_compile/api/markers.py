@@ -121,10 +121,9 @@ def _gather_eagerly(x: Tensor, world_size: int, group: str, name: str) -> Tensor
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise RuntimeError(
             f"fsdp_compile: gathering {name or 'a sharded parameter'} outside compiled code failed ({first}). "
-            "Reading a sharded "
-            "parameter outside a graph compiled by fsdp_backend is a collective: every rank of its group "
-            "must read it at the same point (not `if rank == 0: print(module.weight)`). To read this rank's "
-            "rows without communication, use fsdp_compile.local_shard(module, name)."
+            "Reading a sharded parameter outside a graph compiled by fsdp_backend is a collective: every rank "
+            "of its group must read it at the same point (not `if rank == 0: print(module.weight)`). To read "
+            "this rank's rows without communication, use fsdp_compile.local_shard(module, name)."
         ) from e
 
 

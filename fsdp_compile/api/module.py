@@ -13,8 +13,9 @@ still traced inline by Dynamo, every one of them, so Dynamo's guards are exactly
 [outlining by proof] in ``passes/capture/outline.py``). The ``fsdp::unshard`` markers inside a candidate's
 forward carry no unit or parameter name, as no traced read does (NOTE [anonymous reads] in ``markers.py``),
 so alike blocks trace alike; the backend moves them out of the body to each call
-(``passes/capture/hoist.py``) and names them after the shards they read. The outer graph then holds every unit's markers, as a whole-model graph does,
-and the passes place all-gathers and reduce-scatters across unit boundaries exactly as before.
+(``passes/capture/hoist.py``) and names them after the shards they read. The outer graph then holds every
+unit's markers, as a whole-model graph does, and the passes place all-gathers and reduce-scatters across
+unit boundaries exactly as before.
 
 Which units: ``fully_shard(..., outline=None)`` (default) makes a candidate of a unit that holds no
 other unit and shares its ``forward`` with at least one other such unit (the blocks of a transformer,

@@ -246,11 +246,10 @@ def measure(names: Sequence[str], preset: str, out: Path, snapshot_of: Sequence[
             with tempfile.TemporaryDirectory() as tmp:
                 trace = profile_steps(lambda: runner.step(spec, batch), steps=3, warmup=1,
                                       out_path=Path(tmp) / "t.json")
-                results[name] = {"kernels": kernel_breakdown(trace), "losses": losses}
+                results[name] = {"kernels": kernel_breakdown(trace), "losses": losses, "unprofiled": unprofiled}
                 synced = profile_steps(lambda: synced_step(runner, spec, batch), steps=3, warmup=1,
                                        out_path=Path(tmp) / "s.json")
                 results[name]["idle"] = idle_breakdown(synced)
-                results[name]["unprofiled"] = unprofiled
             keep = out / f"snapshot-{name}.pickle.gz" if name in snapshot_of else None
             results[name]["memory"] = snapshot_step(runner, spec, batch, keep)
         except Exception as e:  # report and go on with the next variant

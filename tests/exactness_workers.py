@@ -33,7 +33,7 @@ TABLE: dict[nn.Module, float] = {}  # a module-level table keyed by the block
 
 class Block(nn.Module):
     """Reads, besides its parameters, an activation submodule, a float, a dropout, a config object, a
-    list and the table keyed by the block."""
+    list, the table keyed by the block, and a flag that skips its feed-forward module."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,10 +45,11 @@ class Block(nn.Module):
         self.shift = 0.0
         self.cfg = types.SimpleNamespace(gain=1.0)
         self.coeffs = [1.0, 0.5]
+        self.skip_mlp = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.up(x))[..., :WIDTH] * self.scale * self.cfg.gain
-        h = self.drop(self.mlp(h)) * self.coeffs[1] + math.copysign(0.25, self.shift)
+        h = self.drop(h if self.skip_mlp else self.mlp(h)) * self.coeffs[1] + math.copysign(0.25, self.shift)
         return x + h * TABLE.get(self, 1.0)
 
 
@@ -105,11 +106,15 @@ PATTERNS: dict[str, tuple[Change | None, Change | None]] = {
     "hook-on-a-submodule": (lambda m: m.blocks[2].up.register_forward_hook(_hook), None),
     "negative-zero": (lambda m: setattr(m.blocks[2], "shift", -0.0), None),
     "table-keyed-by-block": (lambda m: TABLE.__setitem__(m.blocks[1], 2.0), None),
+    # parameters no forward reads: no gradient, as eagerly (weight decay would move a zero gradient's)
+    "a-parameter-never-read": (lambda m: m.blocks[2].register_parameter("spare", nn.Parameter(torch.ones(WIDTH))),
+                               None),
     "later-float-attribute": (None, lambda m: setattr(m.blocks[3], "scale", 1.5)),
     "later-dropout-p": (None, lambda m: setattr(m.blocks[3].drop, "p", 1.0)),
     "later-submodule-class": (None, lambda m: setattr(m.blocks[3], "act", nn.ReLU())),
     "later-config-field": (None, lambda m: setattr(m.blocks[3].cfg, "gain", 0.5)),
     "later-list-item": (None, lambda m: m.blocks[3].coeffs.__setitem__(1, 2.0)),
+    "later-unread-submodule": (None, lambda m: setattr(m.blocks[3], "skip_mlp", True)),
     "table-later-value": (lambda m: TABLE.__setitem__(m.blocks[1], 2.0),
                           lambda m: TABLE.__setitem__(m.blocks[1], -1.0)),
     # (Dynamo guards hooks added later only with torch._dynamo.config.skip_nnmodule_hook_guards=False,
@@ -137,9 +142,10 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def train_pattern(run: Run, groups: FsdpGroups) -> dict[str, Any]:
-    """Train ``run.pattern`` sharded (default backend) and eagerly, ``run.steps`` SGD steps on one batch;
-    the largest relative difference of outputs and of parameters, and for each forward compiled, how
-    many blocks call each of its outlined bodies."""
+    """Train ``run.pattern`` sharded (default backend) and eagerly, ``run.steps`` SGD steps with weight
+    decay on one batch; the largest relative difference of outputs and of parameters, the parameters that
+    have a gradient in one and not the other after some step, and for each forward compiled, how many
+    blocks call each of its outlined bodies."""
     TABLE.clear()
     before, after = PATTERNS[run.pattern]
     torch.manual_seed(0)
@@ -152,10 +158,10 @@ def train_pattern(run: Run, groups: FsdpGroups) -> dict[str, Any]:
         fully_shard(block, groups=groups)
     fully_shard(model, groups=groups)
     compiled = torch.compile(model, backend=make_backend(inductor=run.inductor, **run.backend_kw))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, weight_decay=0.1)
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
-    worst, calls = 0.0, []
+    worst, calls, grads_differ = 0.0, [], set()
     for step in range(run.steps):
         if step == 1:
             _apply(after, reference, model)
@@ -165,13 +171,16 @@ def train_pattern(run: Run, groups: FsdpGroups) -> dict[str, Any]:
         worst = max(worst, _relative(out.detach(), ref.detach()))
         out.square().mean().backward()
         ref.square().mean().backward()
+        has_grad = {n.replace("parametrizations.", "").replace(".original", "") for n, p in model.named_parameters()
+                    if p.grad is not None}
+        grads_differ |= has_grad ^ {n for n, p in reference.named_parameters() if p.grad is not None}
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
     full = get_full_model_state_dict(model, rank0_only=False)
     for name, p in reference.named_parameters():
         worst = max(worst, _relative(full[name], p.detach()))
-    return {"worst": worst, "calls": calls}
+    return {"worst": worst, "calls": calls, "grads_differ": sorted(grads_differ)}
 
 
 def _calls(gm: torch.fx.GraphModule) -> list[int]:

@@ -2,7 +2,7 @@
 
 NOTE [outlining by proof] (passes/capture/outline.py). Each pattern of ``exactness_workers.PATTERNS`` is a
 model of four blocks of one class that differ, or come to differ after the first compile, in something
-their forward does; it trains 3 SGD steps sharded with the default backend and unsharded eagerly, on 1
+their forward does; it trains 3 SGD steps (with weight decay) sharded with the default backend and unsharded eagerly, on 1
 and 2 gloo ranks (the scheduled FX graphs; a few under Inductor too). What each must show: the numbers
 of eager, and which blocks shared a body (``calls``: for each forward compiled, how many blocks call
 each body; the first block's input is the embedding's output, so alike blocks are all four).
@@ -28,6 +28,7 @@ CALLS = {
     "hook-on-a-submodule": [[3]],
     "negative-zero": [[3]],  # -0.0 is not 0.0
     "table-keyed-by-block": [[3]],
+    "a-parameter-never-read": [[3]],  # block 2 has a parameter more
     # changed after the first compile: Dynamo's guards (it traced every block) recompile, and the
     # changed block gets its own code
     "later-float-attribute": [[4], [3]],
@@ -35,6 +36,7 @@ CALLS = {
     "later-submodule-class": [[4], [3]],
     "later-config-field": [[4], [3]],
     "later-list-item": [[4], [3]],
+    "later-unread-submodule": [[4], [3]],
     "table-later-value": [[3], [3]],
     "later-hook": [[4], [3]],
 }
@@ -59,6 +61,7 @@ def two_ranks() -> list[dict[str, dict[str, Any]]]:
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_one_rank_matches_eager(one_rank: dict[str, dict[str, Any]], pattern: str) -> None:
     assert one_rank[pattern]["worst"] < TOLERANCE
+    assert one_rank[pattern]["grads_differ"] == []
     assert one_rank[pattern]["calls"] == CALLS[pattern]
 
 
@@ -67,6 +70,7 @@ def test_one_rank_matches_eager(one_rank: dict[str, dict[str, Any]], pattern: st
 def test_two_ranks_match_eager(two_ranks: list[dict[str, dict[str, Any]]], pattern: str) -> None:
     for rank in two_ranks:
         assert rank[pattern]["worst"] < TOLERANCE, (pattern, rank[pattern])
+        assert rank[pattern]["grads_differ"] == [], (pattern, rank[pattern])
         assert rank[pattern]["calls"] == CALLS[pattern.removesuffix("-inductor")]
 
 

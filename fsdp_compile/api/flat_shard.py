@@ -14,7 +14,9 @@ NOTE [gradients through the parameters]: a compiled graph is not called with the
 place it gets the flat as the output of an autograd function of the flat's parameters
 (:class:`_OfParams`: the flat's storage, no copy), whose backward cuts the flat's gradient into each
 parameter's piece (a view). So autograd, not a hook of ours, accumulates each piece into the
-parameter's ``.grad`` and runs the parameter's own hooks; a parameter frozen now gets none; and
+parameter's ``.grad`` and runs the parameter's own hooks; a parameter frozen now gets none, and so does
+one the graph never reads (its ``.grad`` stays ``None`` as eagerly, where a zero gradient would be
+applied by an optimizer with weight decay or momentum); and
 ``torch.autograd.grad(loss, params)`` or ``backward(inputs=params)`` finds the parameters in the graph.
 The flat's own ``.grad`` stays ``None``. Where a unit's collectives are elided (one rank), compiled code
 takes the parameters themselves instead (NOTE [elided flats] in ``passes/capture/flat_inputs.py``).
@@ -174,8 +176,8 @@ def _aliases(sp: ShardedParam) -> bool:
 
 
 class _OfParams(torch.autograd.Function):
-    """(NOTE [gradients through the parameters]) ``flat`` (detached) as a function of its ``params``: the
-    backward gives each parameter its piece of the flat's gradient."""
+    """(NOTE [gradients through the parameters]) ``flat`` (detached) as a function of ``params``, its
+    members at ``pieces``: the backward gives each its piece of the flat's gradient."""
 
     @staticmethod
     def forward(ctx: Any, flat: Tensor, pieces: list[tuple[int, int, tuple[int, ...]]], *params: Tensor) -> Tensor:
@@ -189,22 +191,28 @@ class _OfParams(torch.autograd.Function):
                               for (offset, n, shape), need in zip(ctx.pieces, needed)))
 
 
-def _of_params(flat: Tensor) -> Tensor:
+def _of_params(flat: Tensor, read: tuple[bool, ...]) -> Tensor:
+    """``flat`` as a function of its members that the graph reads (``read``: for each, in offset order)."""
     layout = flat._fsdp_layout
-    return _OfParams.apply(flat.detach(), layout.pieces, *layout.params)
+    if all(read):
+        return _OfParams.apply(flat.detach(), layout.pieces, *layout.params)
+    chosen = [i for i, r in enumerate(read) if r]
+    return _OfParams.apply(flat.detach(), [layout.pieces[i] for i in chosen], *(layout.params[i] for i in chosen))
 
 
-def flat_inputs(example_inputs: Sequence[object],
-                split: Collection[int] = ()) -> Callable[[Sequence[Any]], list[Any]] | None:
+def flat_inputs(example_inputs: Sequence[object], split: Collection[int] = (),
+                read: Collection[tuple[int, str]] | None = None) -> Callable[[Sequence[Any]], list[Any]] | None:
     """For a compiled graph reading the flat shards among ``example_inputs``: what to call it with, made
     from each call's arguments; ``None`` when it reads none. Each parameter's data is checked to be still
     its view of the flat (NOTE [flat shards]); the flats at ``split`` become their parameters (NOTE [elided
-    flats]), and every other flat that requires grad, the flat as a function of its parameters (NOTE
-    [gradients through the parameters])."""
+    flats]), and every other flat that requires grad, the flat as a function of those of its parameters
+    that the graph reads (``read``: each one's unit and name; all when ``None``; NOTE [gradients through
+    the parameters])."""
     flats = [i for i, t in enumerate(example_inputs) if is_flat(t)]
     if not flats:
         return None
-    through = [i for i in flats if i not in split]
+    through = {i: tuple(read is None or (sp.unit.index, sp.fqn) in read for sp in _members(example_inputs[i]))
+               for i in flats if i not in split}  # type: ignore[arg-type]
 
     def prepare(args: Sequence[Any]) -> list[Any]:
         for i in flats:
@@ -215,9 +223,9 @@ def flat_inputs(example_inputs: Sequence[object],
                         _heal(sp)
         out = list(args)
         if torch.is_grad_enabled():
-            for i in through:
+            for i, reads in through.items():
                 if out[i].requires_grad:
-                    out[i] = _of_params(out[i])
+                    out[i] = _of_params(out[i], reads)
         return as_pieces(out, split) if split else out
 
     return prepare

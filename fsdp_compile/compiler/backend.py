@@ -59,6 +59,7 @@ from fsdp_compile.api.module import OUTLINES
 from fsdp_compile.api.units import is_sharded
 from fsdp_compile.compiler import cache
 from fsdp_compile.compiler.collector import defer_full_collections_while_compiling, no_full_collections
+from fsdp_compile.compiler.outlined_markers import read_params
 from fsdp_compile.compiler.partition import partition
 from fsdp_compile.compiler.pipeline import (
     CAPTURE,
@@ -226,6 +227,7 @@ def _make_backend(options: BackendOptions) -> Any:
         inputs = as_pieces(given, split)  # the real tensors: capture names markers after the shards they read
         with timed("fsdp.outline"):
             gm = run_stage(gm, CAPTURE, Context(options, inputs))
+        read = read_params(gm)  # (before grouping: one parameter a marker)
         gm = inductor_pre_grad_passes(gm, inputs)
         with timed("fsdp.outline"):
             gm = run_stage(gm, GROUPING, Context(options))
@@ -235,7 +237,7 @@ def _make_backend(options: BackendOptions) -> Any:
         # (NOTE [elided flats]) AOTAutograd gets the parameters added as fakes with static sizes
         traced = as_pieces(given, split, static_fake) if split else inputs
         compiled = _aot_or_inline(aot_cached if cached else aot_uncached, gm, traced, options)
-        compiled = _with_flat_inputs(compiled, flat_inputs(given, split))  # NOTE [flat shards] in flat_shard.py
+        compiled = _with_flat_inputs(compiled, flat_inputs(given, split, read))  # NOTE [flat shards] in flat_shard.py
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 
     setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]

@@ -19,13 +19,13 @@ import torch
 from torch import fx
 
 from fsdp_compile.passes.predicates import marker_args, flat_piece, is_reduce_grad, is_unshard
-from fsdp_compile.passes.subgraphs import hop_calls, holds
+from fsdp_compile.passes.subgraphs import hop_bodies, hop_calls, holds
 
 from fsdp_compile.api.flat_shard import flat_member
 from fsdp_compile.api.markers import ANONYMOUS_UNIT
 from fsdp_compile.api.units import sharded_param
 
-__all__ = ["name_markers", "worth_a_call"]
+__all__ = ["name_markers", "read_params", "worth_a_call"]
 
 
 def name_markers(gm: fx.GraphModule, *, example_inputs: Sequence[Any]) -> fx.GraphModule:
@@ -33,6 +33,15 @@ def name_markers(gm: fx.GraphModule, *, example_inputs: Sequence[Any]) -> fx.Gra
     [anonymous reads])."""
     _name_markers(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)))
     return gm
+
+
+def read_params(gm: fx.GraphModule) -> frozenset[tuple[int, str]] | None:
+    """The (unit, name) of every parameter a marker of ``gm``, or of a body it calls, reads: a parameter
+    of a flat that no marker reads gets no gradient from the graph (NOTE [gradients through the
+    parameters] in ``flat_shard.py``). ``None`` (every parameter read) while a marker is unnamed."""
+    read = {(marker_args(n).unit, marker_args(n).name) for g in (gm, *hop_bodies(gm))
+            for n in g.graph.nodes if is_unshard(n)}
+    return None if any(unit == ANONYMOUS_UNIT for unit, _ in read) else frozenset(read)
 
 
 def _value(gm: fx.GraphModule, values: dict[fx.Node, object], node: object) -> object:

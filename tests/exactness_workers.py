@@ -69,6 +69,20 @@ class ExpertMlp(DenseMlp):
         return torch.relu(self.fc(x)) * 2
 
 
+class NoGradScale(nn.Module):
+    """``tanh`` divided by a parameter read under ``torch.no_grad()``: that parameter gets no gradient,
+    and the block's others still do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((2 * WIDTH,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            s = self.scale.abs().max()
+        return torch.tanh(x) / s
+
+
 def _factory(k: float) -> type[nn.Module]:
     class Scaled(DenseMlp):
         def forward(self, x: torch.Tensor, k: float = k) -> torch.Tensor:
@@ -107,6 +121,7 @@ PATTERNS: dict[str, tuple[Change | None, Change | None]] = {
     "negative-zero": (lambda m: setattr(m.blocks[2], "shift", -0.0), None),
     "table-keyed-by-block": (lambda m: TABLE.__setitem__(m.blocks[1], 2.0), None),
     # parameters no forward reads: no gradient, as eagerly (weight decay would move a zero gradient's)
+    "a-parameter-read-under-no-grad": (lambda m: setattr(m.blocks[1], "act", NoGradScale()), None),
     "a-parameter-never-read": (lambda m: m.blocks[2].register_parameter("spare", nn.Parameter(torch.ones(WIDTH))),
                                None),
     "later-float-attribute": (None, lambda m: setattr(m.blocks[3], "scale", 1.5)),

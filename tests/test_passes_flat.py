@@ -238,6 +238,12 @@ class TestGroupMarkers(TestCase):
         self.assertFalse([n for n in gm.graph.nodes if is_unshard(n)])
         gm = group_markers_pass(_outlined_call(flat=True, inline=True, twice=True))  # w's piece read twice
         self.assertEqual((_flat_markers(gm), len([n for n in gm.graph.nodes if is_unshard(n)])), ([], 3))
+        gm = _outlined_call(flat=True, inline=True)  # NOTE [grad mode of a flat marker]: b read under no_grad
+        next(n for n in gm.graph.nodes if is_unshard(n) and marker_args(n).name == "b").meta["example_value"] = \
+            torch.zeros(WIDTH)
+        next(n for n in gm.graph.nodes if is_unshard(n) and marker_args(n).name == "w").meta["example_value"] = \
+            torch.zeros(WIDTH, WIDTH, requires_grad=True)
+        self.assertEqual(_flat_markers(group_markers_pass(gm)), [])
 
     def test_a_unit_not_laid_out_flat_keeps_its_per_parameter_markers(self) -> None:
         before = [str(n.format_node()) for n in _outlined_call(flat=False).graph.nodes]

@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from fsdp_compile.passes.predicates import marker_args, flat_piece, is_reduce_grad, is_unshard
+from fsdp_compile.passes.capture.group_markers import needs_grad
 from fsdp_compile.passes.subgraphs import hop_bodies, hop_calls, holds
 
 from fsdp_compile.api.flat_shard import flat_member
@@ -36,11 +37,12 @@ def name_markers(gm: fx.GraphModule, *, example_inputs: Sequence[Any]) -> fx.Gra
 
 
 def read_params(gm: fx.GraphModule) -> frozenset[tuple[int, str]] | None:
-    """The (unit, name) of every parameter a marker of ``gm``, or of a body it calls, reads: a parameter
-    of a flat that no marker reads gets no gradient from the graph (NOTE [gradients through the
-    parameters] in ``flat_shard.py``). ``None`` (every parameter read) while a marker is unnamed."""
+    """The (unit, name) of every parameter a marker of ``gm``, or of a body it calls, reads as needing a
+    gradient (not under ``torch.no_grad()``): a parameter of a flat that no such marker reads gets no
+    gradient from the graph (NOTE [gradients through the parameters] in ``flat_shard.py``). ``None``
+    (every parameter read) while a marker is unnamed."""
     read = {(marker_args(n).unit, marker_args(n).name) for g in (gm, *hop_bodies(gm))
-            for n in g.graph.nodes if is_unshard(n)}
+            for n in g.graph.nodes if is_unshard(n) and needs_grad(n)}
     return None if any(unit == ANONYMOUS_UNIT for unit, _ in read) else frozenset(read)
 
 

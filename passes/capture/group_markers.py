@@ -28,6 +28,12 @@ reduce-scatter's output *is* the flat's gradient, where AOTAutograd would otherw
 pieces' gradients (a zero tensor, and a ``slice_scatter`` and an add per piece). ``lower/markers.py``
 lowers both forms (NOTE [one lowering]).
 
+The trace cannot make the flat marker itself: a read does not know whether an earlier read in the same
+forward already gathered its flat. Keeping that in Python state between reads (set when the unit's
+forward starts, cleared when it ends) is a side effect, and Dynamo refuses side effects inside a
+higher-order op's body. An activation-checkpointed block, say, would then fall out of the graph and run
+uncompiled. So a traced read stays one marker per parameter, and this pass groups them.
+
 A parameter not in a flat (a ``BlockStack``'s, a unit's that holds others, one unfrozen since its flat was
 laid out: ``flatten_unit`` in ``fsdp_compile/api/flat_shard.py``) keeps its per-parameter markers: the
 same buckets in the end, more ops to trace. So does a flat read other than once per piece (a block called
@@ -51,7 +57,7 @@ from torch import Tensor, fx
 from ..graph_ops import NAMES_SEP, UNSHARD_SHARED, arg_names, flatten_shapes
 from ..predicates import flat_piece, is_unshard, marker_args
 
-__all__ = ["group_markers_pass"]
+__all__ = ["group_markers_pass", "needs_grad"]
 
 _SHARED = arg_names(UNSHARD_SHARED)  # alike for every marker one flat marker replaces (NOTE [one marker spec])
 
@@ -67,11 +73,19 @@ def _value(node: fx.Node) -> object:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def needs_grad(marker: fx.Node) -> bool:
+    """Whether the parameter ``marker`` gathers was traced as needing a gradient (not read under
+    ``torch.no_grad()``, its shard not frozen); ``True`` where the graph does not say."""
+    return bool(getattr(_value(marker), "requires_grad", True))
+
+
 def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """(NOTE [flat markers]) The markers each ``invoke_subgraph`` call reads, and those no call reads,
-    (of one unit, with every argument but the shard, the shape and the name alike) become one
-    ``fsdp::unshard_flat`` when they read every piece of one flat shard once; any other marker is left
-    as it is."""
+    (of one unit, with every argument but the shard, the shape and the name alike, and alike in needing a
+    gradient) become one ``fsdp::unshard_flat`` when they read every piece of one flat shard once; any
+    other marker is left as it is. NOTE [grad mode of a flat marker]: the flat marker goes where the first
+    of its markers was, so it runs in that marker's grad mode: one read under ``torch.no_grad()``
+    grouped with the rest would take every parameter of the flat out of autograd."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     calls = list(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
     sets = [[a for a in dict.fromkeys(call.args[2:]) if isinstance(a, fx.Node) and is_unshard(a)
@@ -84,10 +98,10 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
         for marker in markers:
             a = marker_args(marker)
             kind = (flat_piece(a.shard)[0], a.accumulate is None,  # type: ignore[index]
-                    _value(a.shard).dtype)  # type: ignore[union-attr]
+                    _value(a.shard).dtype, needs_grad(marker))  # type: ignore[union-attr]
             groups.setdefault((*kind, *(getattr(a, k) for k in _SHARED)), []).append(marker)
         for key, group in groups.items():
-            if group_flat(gm, group, order, list(key[3:])):
+            if group_flat(gm, group, order, list(key[len(kind):])):
                 changed = True
     if changed:
         gm.graph.lint()

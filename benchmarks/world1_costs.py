@@ -9,9 +9,11 @@ For each variant (built as in ``benchmarks.step_time``, on one NCCL rank):
   step's CPU span, the GPU's busy time in it (the union of its kernels), the wait before its first kernel
   (the host's work before it launches anything: guards, hooks), and the longest gaps between kernels,
   each named by the kernel after it and the CPU op that launched that kernel;
-* **the same steps without the profiler**: their median, and what the caching allocator did per step
-  (device mallocs and frees, retries after a failed malloc, syncs of every stream), under the process's
-  ``PYTORCH_CUDA_ALLOC_CONF``: whether a difference the profiled steps do not show is the allocator's;
+* **the same steps without the profiler**: their median, the host's time to issue the forward call, the
+  backward call and the optimizer step, and what the caching allocator did per step (device mallocs and
+  frees, retries after a failed malloc, syncs of every stream), under the process's
+  ``PYTORCH_CUDA_ALLOC_CONF``: whether a difference the profiled steps do not show is the host's or the
+  allocator's;
 * **memory at the peak** of one step from a CUDA memory snapshot
   (``torch.cuda.memory._record_memory_history``): the step's peak above what was allocated before it,
   and the allocations alive at that moment, largest first, each named by the source line that made it
@@ -35,6 +37,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -145,11 +148,30 @@ def per_step_counts(before: dict[str, Any], after: dict[str, Any], steps: int) -
     return {k: (after.get(k, 0) - before.get(k, 0)) / max(steps, 1) for k in ALLOCATOR_COUNTERS}
 
 
+HOST_PARTS = ("forward_call_ms", "backward_call_ms", "optimizer_call_ms")
+"""What the host spends issuing each part of a step (launches are asynchronous: not the GPU's time)."""
+
+
 def unprofiled_steps(runner: Runner, spec: Any, batch: Any, steps: int = 10) -> dict[str, Any]:
-    """``steps`` synchronized steps without the profiler: the median ms and the allocator's work per step."""
+    """``steps`` synchronized steps without the profiler: the median ms, the median host time of each of
+    :data:`HOST_PARTS`, and the allocator's work per step."""
     before = torch.cuda.memory_stats()
-    times = [runner.timed_step(spec, batch, cuda=True)[0] for _ in range(steps)]
-    return {"step_ms": statistics.median(times) * 1e3, **per_step_counts(before, torch.cuda.memory_stats(), steps),
+    rows = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = loss_of(spec, runner.forward, batch)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        runner.opt.step()
+        runner.opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        rows.append((time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2))
+    medians = [statistics.median(column) * 1e3 for column in zip(*rows)]
+    return {"step_ms": medians[0], **dict(zip(HOST_PARTS, medians[1:])),
+            **per_step_counts(before, torch.cuda.memory_stats(), steps),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
 
 
@@ -289,8 +311,9 @@ def print_tables(results: dict[str, Any]) -> None:
             plain = r.get("unprofiled")
             if plain:
                 counts = ", ".join(f"{k[4:]} {plain[k]:g}" for k in ALLOCATOR_COUNTERS)
-                print(f"  without the profiler: {plain['step_ms']:.2f} ms per synchronized step; per step {counts} "
-                      f"(PYTORCH_CUDA_ALLOC_CONF={plain['alloc_conf'] or 'unset'})")
+                host = ", ".join(f"{k[:-3].replace('_', ' ')} {plain[k]:.2f} ms" for k in HOST_PARTS if k in plain)
+                print(f"  without the profiler: {plain['step_ms']:.2f} ms per synchronized step; host: {host}; per "
+                      f"step {counts} (PYTORCH_CUDA_ALLOC_CONF={plain['alloc_conf'] or 'unset'})")
             idle = r.get("idle", {})
             if idle:
                 times = ", ".join(f"{k} {v:.2f}" for k, v in idle.items() if k != "largest_gaps")

@@ -384,10 +384,19 @@ def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]
     return results
 
 
+def _all_done(done: bool, group: dist.ProcessGroup) -> bool:
+    """Whether any rank of ``group`` is done (the same answer on every rank)."""
+    flag = torch.tensor([float(done)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 def collectives_in_flight(rank: int, world: int, seconds: float) -> dict[str, Any]:
     """``FsdpGroups`` made over a plain (two-thread) gloo group, then, for ``seconds``: four functional
     all-gathers in flight on its all-gather group, waited, then four reduce-scatters on its
-    reduce-scatter group, waited (NOTE [one gloo thread per group]); returns what the groups are and the rounds run."""
+    reduce-scatter group, waited (NOTE [one gloo thread per group]); returns what the groups are and the rounds run.
+    The ranks agree when to stop (each round ends with a max over their "time is up"), so none starts a
+    round the other does not run."""
     from datetime import timedelta
 
     from fsdp_compile._compat import group_timeout_s
@@ -397,7 +406,7 @@ def collectives_in_flight(rank: int, world: int, seconds: float) -> dict[str, An
     c10d = torch.ops._c10d_functional
     xs = [torch.full((1000 + 7 * i,), float(rank)) for i in range(4)]
     deadline, rounds = time.monotonic() + seconds, 0
-    while time.monotonic() < deadline:
+    while not _all_done(time.monotonic() >= deadline, plain):
         for group in (groups.all_gather, groups.reduce_scatter):
             if group is groups.all_gather:
                 out = [c10d.all_gather_into_tensor(x, world, group.group_name) for x in xs]

@@ -16,6 +16,7 @@ from ._compat import OpOverloadPacket
 
 __all__ = [
     "marker_args",
+    "needs_grad",
     "is_unshard",
     "is_reduce_grad",
     "is_flat_unshard",
@@ -156,6 +157,13 @@ def tensor_bytes(node: fx.Node) -> int:
     if isinstance(val, torch.Tensor):
         return int(val.numel()) * val.element_size()
     return 0
+
+
+def needs_grad(marker: fx.Node) -> bool:
+    """Whether the parameter ``marker`` gathers was traced as needing a gradient (not read under
+    ``torch.no_grad()``, its shard not frozen); ``True`` where the graph does not say."""
+    value = marker.meta.get("example_value", marker.meta.get("val"))
+    return bool(getattr(value, "requires_grad", True))
 
 
 def marker_args(node: fx.Node) -> SimpleNamespace:

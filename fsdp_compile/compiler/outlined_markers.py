@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fsdp_compile.passes.predicates import marker_args, flat_piece, is_reduce_grad, is_unshard
-from fsdp_compile.passes.capture.group_markers import needs_grad
+from fsdp_compile.passes.predicates import marker_args, flat_piece, is_reduce_grad, is_unshard, needs_grad
 from fsdp_compile.passes.subgraphs import hop_bodies, hop_calls, holds
 
 from fsdp_compile.api.flat_shard import flat_member

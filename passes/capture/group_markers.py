@@ -55,9 +55,9 @@ import torch
 from torch import Tensor, fx
 
 from ..graph_ops import NAMES_SEP, UNSHARD_SHARED, arg_names, flatten_shapes
-from ..predicates import flat_piece, is_unshard, marker_args
+from ..predicates import flat_piece, is_unshard, marker_args, needs_grad
 
-__all__ = ["group_markers_pass", "needs_grad"]
+__all__ = ["group_markers_pass"]
 
 _SHARED = arg_names(UNSHARD_SHARED)  # alike for every marker one flat marker replaces (NOTE [one marker spec])
 
@@ -73,19 +73,15 @@ def _value(node: fx.Node) -> object:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-def needs_grad(marker: fx.Node) -> bool:
-    """Whether the parameter ``marker`` gathers was traced as needing a gradient (not read under
-    ``torch.no_grad()``, its shard not frozen); ``True`` where the graph does not say."""
-    return bool(getattr(_value(marker), "requires_grad", True))
-
-
 def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """(NOTE [flat markers]) The markers each ``invoke_subgraph`` call reads, and those no call reads,
     (of one unit, with every argument but the shard, the shape and the name alike, and alike in needing a
     gradient) become one ``fsdp::unshard_flat`` when they read every piece of one flat shard once; any
-    other marker is left as it is. NOTE [grad mode of a flat marker]: the flat marker goes where the first
-    of its markers was, so it runs in that marker's grad mode: one read under ``torch.no_grad()``
-    grouped with the rest would take every parameter of the flat out of autograd."""
+    other marker is left as it is.
+
+    NOTE [grad mode of a flat marker]: the flat marker goes where the first of its markers was, so it
+    runs in that marker's grad mode: one read under ``torch.no_grad()`` grouped with the rest would take
+    every parameter of the flat out of autograd."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     calls = list(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
     sets = [[a for a in dict.fromkeys(call.args[2:]) if isinstance(a, fx.Node) and is_unshard(a)
@@ -99,9 +95,9 @@ def group_markers_pass(gm: fx.GraphModule) -> fx.GraphModule:
             a = marker_args(marker)
             kind = (flat_piece(a.shard)[0], a.accumulate is None,  # type: ignore[index]
                     _value(a.shard).dtype, needs_grad(marker))  # type: ignore[union-attr]
-            groups.setdefault((*kind, *(getattr(a, k) for k in _SHARED)), []).append(marker)
-        for key, group in groups.items():
-            if group_flat(gm, group, order, list(key[len(kind):])):
+            groups.setdefault((kind, tuple(getattr(a, k) for k in _SHARED)), []).append(marker)
+        for (_, shared), group in groups.items():
+            if group_flat(gm, group, order, list(shared)):
                 changed = True
     if changed:
         gm.graph.lint()

@@ -67,7 +67,8 @@ def _hoist_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> None:
                     outer = gm.graph.node_copy(node, lambda n: env[n])
                 for key in ("example_value", "val"):
                     if key in node.meta:
-                        outer.meta[key] = fresh_value(node.meta[key], requires_grad=True)  # (as it was)
+                        # (keeping its requires_grad: NOTE [grad mode of a flat marker] in group_markers.py)
+                        outer.meta[key] = fresh_value(node.meta[key], requires_grad=True)
                 env[node] = outer
             gathered.append(env[marker])
         call.args = (call.args[0], call.args[1], *[env[p] for p in kept], *gathered)

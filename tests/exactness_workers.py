@@ -33,7 +33,7 @@ TABLE: dict[nn.Module, float] = {}  # a module-level table keyed by the block
 
 class Block(nn.Module):
     """Reads, besides its parameters, an activation submodule, a float, a dropout, a config object, a
-    list, the table keyed by the block, and a flag that skips its feed-forward module."""
+    list and the table keyed by the block."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,11 +45,10 @@ class Block(nn.Module):
         self.shift = 0.0
         self.cfg = types.SimpleNamespace(gain=1.0)
         self.coeffs = [1.0, 0.5]
-        self.skip_mlp = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.up(x))[..., :WIDTH] * self.scale * self.cfg.gain
-        h = self.drop(h if self.skip_mlp else self.mlp(h)) * self.coeffs[1] + math.copysign(0.25, self.shift)
+        h = self.drop(self.mlp(h)) * self.coeffs[1] + math.copysign(0.25, self.shift)
         return x + h * TABLE.get(self, 1.0)
 
 
@@ -120,7 +119,7 @@ PATTERNS: dict[str, tuple[Change | None, Change | None]] = {
     "hook-on-a-submodule": (lambda m: m.blocks[2].up.register_forward_hook(_hook), None),
     "negative-zero": (lambda m: setattr(m.blocks[2], "shift", -0.0), None),
     "table-keyed-by-block": (lambda m: TABLE.__setitem__(m.blocks[1], 2.0), None),
-    # parameters no forward reads: no gradient, as eagerly (weight decay would move a zero gradient's)
+    # a parameter read under no_grad, or never read: no gradient, as eagerly (weight decay would move it)
     "a-parameter-read-under-no-grad": (lambda m: setattr(m.blocks[1], "act", NoGradScale()), None),
     "a-parameter-never-read": (lambda m: m.blocks[2].register_parameter("spare", nn.Parameter(torch.ones(WIDTH))),
                                None),
@@ -129,7 +128,6 @@ PATTERNS: dict[str, tuple[Change | None, Change | None]] = {
     "later-submodule-class": (None, lambda m: setattr(m.blocks[3], "act", nn.ReLU())),
     "later-config-field": (None, lambda m: setattr(m.blocks[3].cfg, "gain", 0.5)),
     "later-list-item": (None, lambda m: m.blocks[3].coeffs.__setitem__(1, 2.0)),
-    "later-unread-submodule": (None, lambda m: setattr(m.blocks[3], "skip_mlp", True)),
     "table-later-value": (lambda m: TABLE.__setitem__(m.blocks[1], 2.0),
                           lambda m: TABLE.__setitem__(m.blocks[1], -1.0)),
     # (Dynamo guards hooks added later only with torch._dynamo.config.skip_nnmodule_hook_guards=False,

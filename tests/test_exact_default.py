@@ -37,7 +37,6 @@ CALLS = {
     "later-submodule-class": [[4], [3]],
     "later-config-field": [[4], [3]],
     "later-list-item": [[4], [3]],
-    "later-unread-submodule": [[4], [3]],
     "table-later-value": [[3], [3]],
     "later-hook": [[4], [3]],
 }

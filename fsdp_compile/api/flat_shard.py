@@ -191,13 +191,13 @@ class _OfParams(torch.autograd.Function):
                               for (offset, n, shape), need in zip(ctx.pieces, needed)))
 
 
-def _of_params(flat: Tensor, read: tuple[bool, ...]) -> Tensor:
-    """``flat`` as a function of its members that the graph reads (``read``: for each, in offset order)."""
+def _of_params(flat: Tensor, read: tuple[int, ...] | None) -> Tensor:
+    """``flat`` as a function of its members that the graph reads (``read``: their places in offset
+    order; ``None``: all)."""
     layout = flat._fsdp_layout
-    if all(read):
+    if read is None:
         return _OfParams.apply(flat.detach(), layout.pieces, *layout.params)
-    chosen = [i for i, r in enumerate(read) if r]
-    return _OfParams.apply(flat.detach(), [layout.pieces[i] for i in chosen], *(layout.params[i] for i in chosen))
+    return _OfParams.apply(flat.detach(), [layout.pieces[i] for i in read], *(layout.params[i] for i in read))
 
 
 def flat_inputs(example_inputs: Sequence[object], split: Collection[int] = (),
@@ -211,8 +211,7 @@ def flat_inputs(example_inputs: Sequence[object], split: Collection[int] = (),
     flats = [i for i, t in enumerate(example_inputs) if is_flat(t)]
     if not flats:
         return None
-    through = {i: tuple(read is None or (sp.unit.index, sp.fqn) in read for sp in _members(example_inputs[i]))
-               for i in flats if i not in split}  # type: ignore[arg-type]
+    through = {i: _read_places(example_inputs[i], read) for i in flats if i not in split}  # type: ignore[arg-type]
 
     def prepare(args: Sequence[Any]) -> list[Any]:
         for i in flats:
@@ -229,6 +228,12 @@ def flat_inputs(example_inputs: Sequence[object], split: Collection[int] = (),
         return as_pieces(out, split) if split else out
 
     return prepare
+
+
+def _read_places(flat: Tensor, read: Collection[tuple[int, str]] | None) -> tuple[int, ...] | None:
+    """The places, in offset order, of ``flat``'s members that ``read`` names; ``None`` where it names all."""
+    places = tuple(k for k, sp in enumerate(_members(flat)) if read is None or (sp.unit.index, sp.fqn) in read)
+    return None if len(places) == len(flat._fsdp_layout.params) else places
 
 
 def _heal(sp: ShardedParam) -> None:

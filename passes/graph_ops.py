@@ -1,11 +1,7 @@
 """The ``fsdp::`` ops of the graphs: the markers' schemas and the ops the passes put in.
 
-- The markers' arguments, once (NOTE [one marker spec] below), from which every marker's schema is
-  built; the per-parameter markers ``fsdp::unshard`` and ``fsdp::reduce_grad`` get their kernels in
-  ``fsdp_compile/api/markers.py``.
-- Flat markers: ``unshard_flat`` / ``reduce_grad_flat`` (NOTE [flat markers] in ``capture/group_markers.py``):
-  one op for every parameter of a flat unit that one outlined call reads, defined from the spec; their
-  eager implementations call the per-parameter markers.
+- The markers ``fsdp::unshard`` and ``fsdp::reduce_grad``: their arguments, once (NOTE [one marker spec]
+  below), from which their schemas are built; their kernels are in ``fsdp_compile/api/markers.py``.
 - Bucket copies: ``pack_shards``, ``copy_out_rows``, ``pack_rows`` (NOTE [bucket copies] below): one op
   per copy into or out of a unit's bucket.
 
@@ -16,16 +12,15 @@ An op's schema takes no nested int lists and no string lists: shapes travel flat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["NAMES_SEP", "REDUCE_GRAD_ARGS", "REDUCE_GRAD_SHARED", "UNSHARD_ARGS", "UNSHARD_SHARED", "arg_names",
-           "by_name", "copy_out_rows", "flat_pieces", "flatten_shapes", "in_order", "numel", "pack_rows", "pack_shards",
+__all__ = ["NAMES_SEP", "PIECE_ARGS", "REDUCE_GRAD_ARGS", "UNSHARD_ARGS", "arg_names", "by_name", "copy_out_rows",
+           "flatten_shapes", "in_order", "numel", "pack_rows", "pack_shards", "shard_shape",
            "unflatten_shapes"]
 
-NAMES_SEP = "\n"  # between the names a flat marker carries (a name holding it never joins one)
+NAMES_SEP = "\n"  # between the names a marker of several pieces carries (a name holding it never joins one)
 
 
 def flatten_shapes(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -55,25 +50,29 @@ def numel(shape: Sequence[int]) -> int:
 
 Spec = tuple[tuple[str, str], ...]  # (name, schema type) of each argument, in order
 
-# NOTE [one marker spec]: the arguments of the markers, written once. The schemas of ``fsdp::unshard`` and
-# ``fsdp::reduce_grad`` (whose kernels ``fsdp_compile/api/markers.py`` registers) are these; the flat
-# markers below take the per-parameter arguments as lists and the ``*_SHARED`` ones once. Kernels, fakes,
-# backwards and passes read arguments by these names (``by_name``, ``in_order``,
-# ``predicates.marker_args``); ``fully_shard`` builds a read's arguments by name too.
+# NOTE [one marker spec]: the markers' arguments, written once; the schemas of ``fsdp::unshard`` and
+# ``fsdp::reduce_grad`` (whose kernels ``fsdp_compile/api/markers.py`` registers) are built from them.
+# A marker reads *pieces*: ``shard``'s elements, one piece after another, piece ``i`` of shape
+# ``unflatten_shapes(shard_ranks, shard_dims)[i]``, the shard of the parameter named
+# ``names.split(NAMES_SEP)[i]``, of full shape ``unflatten_shapes(ranks, dims)[i]``. A traced read is
+# one piece (its shard, in its shape); a unit's flat marker is every piece of its flat shard (NOTE [flat
+# markers] in ``capture/group_markers.py``). Kernels, fakes, backwards and passes read arguments by these
+# names (``by_name``, ``in_order``, ``predicates.marker_args``); ``fully_shard`` builds a read's arguments
+# by name too.
 UNSHARD_ARGS: Spec = (
-    ("shard", "Tensor"), ("full_shape", "SymInt[]"), ("world_size", "SymInt"), ("unit", "SymInt"), ("name", "str"),
-    ("ag_group", "str"), ("rs_group", "str"), ("replicate_group", "str"), ("replicate_size", "SymInt"),
-    ("reshard", "bool"), ("param_dtype", "ScalarType?"), ("reduce_dtype", "ScalarType?"),
-    ("accumulate", "Tensor?"),  # (default None: gradient accumulation without communication)
+    ("shard", "Tensor"), ("shard_ranks", "SymInt[]"), ("shard_dims", "SymInt[]"), ("ranks", "SymInt[]"),
+    ("dims", "SymInt[]"), ("names", "str"), ("world_size", "SymInt"), ("unit", "SymInt"), ("ag_group", "str"),
+    ("rs_group", "str"), ("replicate_group", "str"), ("replicate_size", "SymInt"), ("reshard", "bool"),
+    ("param_dtype", "ScalarType?"), ("reduce_dtype", "ScalarType?"),
+    ("accumulate", "Tensor[]?"),  # (default None: gradient accumulation without communication)
 )
 REDUCE_GRAD_ARGS: Spec = (
-    ("grad", "Tensor"), ("shard_shape", "SymInt[]"), ("world_size", "SymInt"), ("unit", "SymInt"), ("name", "str"),
-    ("ag_group", "str"), ("rs_group", "str"), ("replicate_group", "str"), ("replicate_size", "SymInt"),
-    ("reduce_dtype", "ScalarType?"), ("out_dtype", "ScalarType"),
+    ("grads", "Tensor[]"), ("shard_ranks", "SymInt[]"), ("shard_dims", "SymInt[]"), ("names", "str"),
+    ("world_size", "SymInt"), ("unit", "SymInt"), ("ag_group", "str"), ("rs_group", "str"), ("replicate_group", "str"),
+    ("replicate_size", "SymInt"), ("reduce_dtype", "ScalarType?"), ("out_dtype", "ScalarType"),
 )
-_PER_PARAM = {"shard", "full_shape", "grad", "shard_shape", "name", "accumulate"}
-UNSHARD_SHARED: Spec = tuple(a for a in UNSHARD_ARGS if a[0] not in _PER_PARAM)  # one value per flat marker
-REDUCE_GRAD_SHARED: Spec = tuple(a for a in REDUCE_GRAD_ARGS if a[0] not in _PER_PARAM)
+PIECE_ARGS = frozenset({"shard", "shard_ranks", "shard_dims", "ranks", "dims", "names", "accumulate"})
+"""The arguments that describe a marker's pieces; the rest are its unit's, alike for all its pieces."""
 
 
 def arg_names(spec: Spec) -> tuple[str, ...]:
@@ -91,120 +90,24 @@ def in_order(spec: Spec, **values: object) -> tuple[object, ...]:
 
 
 def _schema(spec: Spec) -> str:
-    """``spec`` as a schema's arguments; a last optional tensor defaults to ``None``."""
+    """``spec`` as a schema's arguments; a last optional argument defaults to ``None``."""
     args = [f"{type_} {name}" for name, type_ in spec]
-    return ", ".join(args[:-1] + [args[-1] + ("=None" if spec[-1][1] == "Tensor?" else "")])
+    return ", ".join(args[:-1] + [args[-1] + ("=None" if spec[-1][1].endswith("?") else "")])
 
 
 def _define(qualname: str, args: str, returns: str) -> None:
     torch.library.define(qualname, f"({args}) -> {returns}", tags=(torch.Tag.pt2_compliant_tag,))
 
 
-_define("fsdp::unshard", _schema(UNSHARD_ARGS), "Tensor")
+_define("fsdp::unshard", _schema(UNSHARD_ARGS), "Tensor[]")
 _define("fsdp::reduce_grad", _schema(REDUCE_GRAD_ARGS), "Tensor")
 
 
-# ---------------------------------------------------------------------------------------------
-# Flat markers: every parameter of a flat unit one call reads
-# ---------------------------------------------------------------------------------------------
-
-_define("fsdp::unshard_flat", "Tensor flat, SymInt[] shard_ranks, SymInt[] shard_dims, SymInt[] ranks, SymInt[] dims, "
-        f"str names, {_schema(UNSHARD_SHARED)}, Tensor[]? accumulate=None", "Tensor[]")
-_define("fsdp::reduce_grad_flat", f"Tensor[] grads, SymInt[] shard_ranks, SymInt[] shard_dims, str names, "
-        f"{_schema(REDUCE_GRAD_SHARED)}", "Tensor")
-
-
-def _unshard_each(shards: Sequence[Tensor], shapes: Sequence[list[int]], names: str,
-                  shared: Sequence[object]) -> list[Tensor]:
-    common = by_name(UNSHARD_SHARED, shared)
-    return [torch.ops.fsdp.unshard(*in_order(UNSHARD_ARGS, shard=s, full_shape=shape, name=name, accumulate=None,
-                                             **common))
-            for s, shape, name in zip(shards, shapes, names.split(NAMES_SEP))]
-
-
-def _reduce_each(grads: Sequence[Tensor], shapes: Sequence[list[int]], names: str,
-                 shared: Sequence[object]) -> list[Tensor]:
-    common = by_name(REDUCE_GRAD_SHARED, shared)
-    return [torch.ops.fsdp.reduce_grad(*in_order(REDUCE_GRAD_ARGS, grad=g, shard_shape=shape, name=name, **common))
-            for g, shape, name in zip(grads, shapes, names.split(NAMES_SEP))]
-
-
-def _full_or_zeros(grads: Sequence[Tensor | None], full: Sequence[tuple[list[int], torch.dtype]],
-                   device: torch.device) -> list[Tensor]:
-    # A parameter the call never read has no gradient: zeros, which reduce to its zero gradient.
-    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-            for g, (shape, dtype) in zip(grads, full)]
-
-
-def unshard_flat(flat: Tensor, shard_ranks: list[int], shard_dims: list[int], ranks: list[int], dims: list[int],
-                 names: str, *shared: object) -> list[Tensor]:
-    """``fsdp::unshard`` of each piece of the 1-D ``flat``: piece ``i`` is the next elements of ``flat``,
-    of shape ``unflatten_shapes(shard_ranks, shard_dims)[i]``, the shard of the parameter
-    ``names.split(NAMES_SEP)[i]`` of full shape ``unflatten_shapes(ranks, dims)[i]``; the pieces tile
-    ``flat``. ``shared``: the ``UNSHARD_SHARED`` arguments, then ``accumulate``: ``None``, or each
-    parameter's accumulation leaf (NOTE [no-sync] in ``fsdp_compile/api/accumulate.py``), which the
-    backward gives the full gradients, the flat none."""
-    pieces = flat_pieces(flat, unflatten_shapes(shard_ranks, shard_dims))
-    return _unshard_each(pieces, unflatten_shapes(ranks, dims), names, shared)
-
-
-@torch.library.register_fake("fsdp::unshard_flat")
-def _unshard_flat_fake(flat: Tensor, shard_ranks: list[int], shard_dims: list[int], ranks: list[int],
-                       dims: list[int], names: str, *shared: object) -> list[Tensor]:
-    param_dtype = by_name(UNSHARD_SHARED, shared)["param_dtype"]
-    return [flat.new_empty(shape, dtype=param_dtype or flat.dtype)  # type: ignore[arg-type]
-            for shape in unflatten_shapes(ranks, dims)]
-
-
-def flat_pieces(flat: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
-    """The 1-D ``flat`` cut into consecutive pieces of ``shapes``."""
-    out, offset = [], 0
-    for shape in shapes:
-        n = numel(shape)
-        out.append(flat.narrow(0, offset, n).view(list(shape)))
-        offset += n
-    return out
-
-
-def _unshard_flat_setup(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
-    flat, shard_ranks, shard_dims, ranks, dims, names, *shared = inputs
-    common = by_name(UNSHARD_SHARED, shared)
-    ctx.full = [(shape, common["param_dtype"] or flat.dtype) for shape in unflatten_shapes(ranks, dims)]
-    ctx.device = flat.device
-    ctx.accumulating = shared[len(UNSHARD_SHARED)] is not None  # (``accumulate``: setup sees every argument)
-    ctx.dtype = flat.dtype
-    ctx.reduce_args = (shard_ranks, shard_dims, names, *in_order(REDUCE_GRAD_SHARED, **common, out_dtype=flat.dtype))
-
-
-def _unshard_flat_backward(ctx: Any, grads: list[Tensor | None]) -> tuple:
-    no_grads = (None,) * (5 + len(UNSHARD_SHARED))
-    if ctx.accumulating:  # no communication: each full gradient to its leaf, in the shard's dtype
-        return (None, *no_grads, [g.to(ctx.dtype) if g is not None else None for g in grads])
-    flat_grad = torch.ops.fsdp.reduce_grad_flat(_full_or_zeros(grads, ctx.full, ctx.device), *ctx.reduce_args)
-    return (flat_grad, *no_grads)  # (an ``accumulate`` left at its default reaches autograd as no input)
-
-
-torch.library.impl("fsdp::unshard_flat", "CompositeExplicitAutograd")(unshard_flat)
-torch.library.register_autograd("fsdp::unshard_flat", _unshard_flat_backward, setup_context=_unshard_flat_setup)
-
-
-def reduce_grad_flat(grads: list[Tensor], shard_ranks: list[int], shard_dims: list[int], names: str,
-                     *shared: object) -> Tensor:
-    """The flat's gradient: ``fsdp::reduce_grad`` of each full gradient to its piece's shape, in order;
-    ``shared``: the ``REDUCE_GRAD_SHARED`` arguments."""
-    shapes = unflatten_shapes(shard_ranks, shard_dims)
-    return torch.cat([g.reshape(-1) for g in _reduce_each(grads, shapes, names, shared)])
-
-
-torch.library.impl("fsdp::reduce_grad_flat", "CompositeExplicitAutograd")(reduce_grad_flat)
-
-
-@torch.library.register_fake("fsdp::reduce_grad_flat")
-def _reduce_grad_flat_fake(grads: list[Tensor], shard_ranks: list[int], shard_dims: list[int], names: str,
-                           *shared: object) -> Tensor:
-    out_dtype = by_name(REDUCE_GRAD_SHARED, shared)["out_dtype"]
-    total = sum(numel(s) for s in unflatten_shapes(shard_ranks, shard_dims))
-    return grads[0].new_empty(total, dtype=out_dtype)  # type: ignore[arg-type]
+def shard_shape(full_shape: Sequence[int], world_size: int) -> list[int]:
+    """The shape of a dim-0 shard of a parameter of ``full_shape`` (NOTE [padding] in
+    ``fsdp_compile/api/markers.py``); a 0-d parameter is stored as one row."""
+    full = list(full_shape) or [1]
+    return [-(-int(full[0]) // world_size), *full[1:]]
 
 
 # ---------------------------------------------------------------------------------------------

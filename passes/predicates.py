@@ -19,8 +19,6 @@ __all__ = [
     "needs_grad",
     "is_unshard",
     "is_reduce_grad",
-    "is_flat_unshard",
-    "is_flat_reduce_grad",
     "flat_piece",
     "is_all_gather",
     "is_reduce_scatter",
@@ -57,23 +55,14 @@ def _schema_name(node: fx.Node) -> str | None:
 
 
 def is_unshard(node: fx.Node) -> bool:
-    """``shard -> fsdp::unshard -> full param``: a marker before lowering."""
+    """``shard -> fsdp::unshard -> getitem -> full params``: a marker before lowering (NOTE [one marker
+    spec] in ``graph_ops.py``)."""
     return _schema_name(node) == "fsdp::unshard"
 
 
 def is_reduce_grad(node: fx.Node) -> bool:
-    """``full grad -> fsdp::reduce_grad -> shard grad``: a marker before lowering."""
+    """``[full grads] -> fsdp::reduce_grad -> the shard's gradient``: a marker before lowering."""
     return _schema_name(node) == "fsdp::reduce_grad"
-
-
-def is_flat_unshard(node: fx.Node) -> bool:
-    """``flat -> fsdp::unshard_flat -> getitem -> full params``"""
-    return _schema_name(node) == "fsdp::unshard_flat"
-
-
-def is_flat_reduce_grad(node: fx.Node) -> bool:
-    """``[full grads] -> fsdp::reduce_grad_flat -> the flat's gradient``"""
-    return _schema_name(node) == "fsdp::reduce_grad_flat"
 
 
 def is_all_gather(node: fx.Node) -> bool:
@@ -160,17 +149,18 @@ def tensor_bytes(node: fx.Node) -> int:
 
 
 def needs_grad(marker: fx.Node) -> bool:
-    """Whether the parameter ``marker`` gathers was traced as needing a gradient (not read under
-    ``torch.no_grad()``, its shard not frozen); ``True`` where the graph does not say."""
+    """Whether the parameters ``marker`` gathers were traced as needing a gradient (not read under
+    ``torch.no_grad()``, the shard not frozen); ``True`` where the graph does not say."""
     value = marker.meta.get("example_value", marker.meta.get("val"))
-    return bool(getattr(value, "requires_grad", True))
+    first = value[0] if isinstance(value, (list, tuple)) and value else value
+    return bool(getattr(first, "requires_grad", True))
 
 
 def marker_args(node: fx.Node) -> SimpleNamespace:
-    """A marker's arguments (``fsdp::unshard``, ``fsdp::reduce_grad`` or a flat marker) as attributes named
-    as in its schema, which ``graph_ops`` builds from the one marker spec (NOTE [one marker spec]):
+    """A marker's arguments (``fsdp::unshard`` or ``fsdp::reduce_grad``) as attributes named as in its
+    schema, which ``graph_ops`` builds from the one marker spec (NOTE [one marker spec]):
     ``marker_args(node).unit``."""
-    assert is_unshard(node) or is_reduce_grad(node) or is_flat_unshard(node) or is_flat_reduce_grad(node), node
+    assert is_unshard(node) or is_reduce_grad(node), node
     return SimpleNamespace(**schema_args(node))
 
 

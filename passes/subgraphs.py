@@ -70,7 +70,9 @@ def fresh_value(val: object, *, requires_grad: bool = False) -> object:
     """A new fake tensor like ``val`` (a value of its own for each node that is given one; ``val`` itself
     if it is no fake tensor): a meta tensor wrapped by ``val``'s fake mode, a fraction of what an
     ``empty_strided`` dispatched through the mode costs, once for each moved node of every call.
-    ``requires_grad``: as ``val``'s."""
+    ``requires_grad``: as ``val``'s. A list of values (a marker's) is a list of new ones."""
+    if isinstance(val, (list, tuple)):
+        return type(val)(fresh_value(v, requires_grad=requires_grad) for v in val)
     if isinstance(val, FakeTensor):
         meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta",
                                    requires_grad=requires_grad and val.requires_grad)

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_compile.api.markers as fsdp_ops
 import fsdp_compile.passes.graph_ops as bucket_copies
+from fsdp_compile.passes.graph_ops import flatten_shapes
 from fsdp_compile.inspection.schedule import listing
 from fsdp_compile.passes import NamedPass
 from fsdp_compile.passes.lower.markers import lower_markers_pass
@@ -36,13 +37,18 @@ UNITS = 3
 
 def unshard(shard: Tensor, full_shape: list[int], unit: int, name: str, *, world: int = 2,
             param_dtype: torch.dtype | None = None, ag: str = "ag", rs: str = "rs") -> Tensor:
-    return torch.ops.fsdp.unshard(shard, full_shape, world, unit, name, ag, rs, "", 1, True, param_dtype, None)
+    """The marker of one parameter's read (NOTE [one marker spec])."""
+    (full,) = torch.ops.fsdp.unshard(shard, *flatten_shapes([list(shard.shape)]), *flatten_shapes([full_shape]), name,
+                                     world, unit, ag, rs, "", 1, True, param_dtype, None)
+    return full
 
 
 def reduce_grad(grad: Tensor, shard_shape: list[int], unit: int, name: str, *, world: int = 2,
                 reduce_dtype: torch.dtype | None = None, out_dtype: torch.dtype = torch.float32,
                 ag: str = "ag", rs: str = "rs") -> Tensor:
-    return torch.ops.fsdp.reduce_grad(grad, shard_shape, world, unit, name, ag, rs, "", 1, reduce_dtype, out_dtype)
+    """The marker of one parameter's gradient."""
+    return torch.ops.fsdp.reduce_grad([grad], *flatten_shapes([shard_shape]), name, world, unit, ag, rs, "", 1,
+                                      reduce_dtype, out_dtype)
 
 
 def trace(fn: Callable[..., object], *examples: Tensor) -> fx.GraphModule:

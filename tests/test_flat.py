@@ -24,7 +24,7 @@ from fsdp_compile.compiler.backend import observe_graphs
 from fsdp_compile.examples.models import ModelConfig, Transformer
 from fsdp_compile.api.units import FLATS, unit_of
 from fsdp_compile.passes.capture.flat_inputs import split_flat_inputs_pass
-from fsdp_compile.passes.predicates import is_flat_reduce_grad, is_flat_unshard
+from fsdp_compile.passes.predicates import is_reduce_grad, is_unshard
 
 from .graph_utils import fake_process_group, shard_blocks_then_root
 
@@ -129,7 +129,7 @@ def test_dynamo_takes_one_input_per_unit_and_backward_returns_each_flat_gradient
     assert inputs == [5]  # two blocks, one flat each, and the root's embedding, final norm and head
     graphs = dict(seen)
     for gm in graphs.values():
-        assert not any(is_flat_unshard(n) or is_flat_reduce_grad(n) for n in gm.graph.nodes)  # all lowered
+        assert not any(is_unshard(n) or is_reduce_grad(n) for n in gm.graph.nodes)  # all lowered
     bw = graphs["backward"]
     # each flat's gradient is its reduce-scatter bucket's output, averaged: nothing scattered into zeros
     assert not bw.graph.find_nodes(op="call_function", target=torch.ops.aten.slice_scatter.default)

@@ -115,8 +115,8 @@ def test_a_traced_read_names_no_unit_and_the_backend_names_every_marker(groups: 
     torch.compile(model, backend=spy, fullgraph=True)(_tokens()).sum().backward()
     names = {name for name, _ in Transformer(SMALL).named_parameters()}
     assert len(seen["traced"]) == len(names)
-    assert {(m.unit, m.name) for m in seen["traced"]} == {(ANONYMOUS_UNIT, "")}
-    assert {m.name for m in seen["named"]} == names
+    assert {(m.unit, m.names) for m in seen["traced"]} == {(ANONYMOUS_UNIT, "")}
+    assert {m.names for m in seen["named"]} == names
     blocks = len(Transformer(SMALL).layers)
-    assert {m.unit for m in seen["named"] if m.name.startswith("layers.")} == set(range(blocks))
-    assert {m.unit for m in seen["named"] if not m.name.startswith("layers.")} == {blocks}  # the root, last
+    assert {m.unit for m in seen["named"] if m.names.startswith("layers.")} == set(range(blocks))
+    assert {m.unit for m in seen["named"] if not m.names.startswith("layers.")} == {blocks}  # the root, last

@@ -1,11 +1,12 @@
-"""Flat markers (NOTE [flat markers]): ``group_markers_pass`` makes one of the markers an outlined call, or a
-unit's inline code, reads of a flat unit and leaves a unit not laid out flat its per-parameter markers;
-``lower_markers_pass`` (NOTE [one lowering]) lowers a flat marker to its unit's bucket: the flat gathered as
-it is, the reduce-scatter's output the flat's gradient, each as the markers' eager bodies compute on two
-simulated ranks. Small hand-built graphs, no process group."""
+"""Flat markers (NOTE [flat markers]): ``group_markers_pass`` makes one marker of the markers of one piece
+an outlined call, or a unit's inline code, reads of a flat unit, and leaves a unit not laid out flat its
+markers; ``lower_markers_pass`` (NOTE [one lowering]) lowers a flat marker to its unit's bucket: the flat
+gathered as it is, the reduce-scatter's output the flat's gradient, each as the markers' eager bodies
+compute on two simulated ranks. Small hand-built graphs, no process group."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -13,24 +14,9 @@ from expecttest import TestCase
 from torch import Tensor, fx
 
 from fsdp_compile.passes.capture.group_markers import group_markers_pass
-from fsdp_compile.passes.graph_ops import (
-    NAMES_SEP,
-    REDUCE_GRAD_ARGS,
-    REDUCE_GRAD_SHARED,
-    UNSHARD_ARGS,
-    UNSHARD_SHARED,
-    arg_names,
-    flatten_shapes,
-)
+from fsdp_compile.passes.graph_ops import NAMES_SEP, REDUCE_GRAD_ARGS, UNSHARD_ARGS, arg_names, flatten_shapes
 from fsdp_compile.passes.lower.markers import lower_markers_pass
-from fsdp_compile.passes.predicates import (
-    fsdp_meta,
-    is_flat_reduce_grad,
-    is_flat_unshard,
-    is_reduce_grad,
-    is_unshard,
-    marker_args,
-)
+from fsdp_compile.passes.predicates import fsdp_meta, is_reduce_grad, is_unshard, marker_args
 
 from .pass_graphs import (
     WIDTH,
@@ -61,21 +47,21 @@ def _flats(world: int) -> list[Tensor]:
 
 def _gather_flat(flat: Tensor, unit: int, world: int, param_dtype: torch.dtype | None = None) -> list[Tensor]:
     shard, full = _shapes(world)
-    return torch.ops.fsdp.unshard_flat(flat, *flatten_shapes(shard), *flatten_shapes(full),
-                                       NAMES_SEP.join([f"w{unit}", f"b{unit}"]), world, unit, "ag", "rs", "", 1, True,
-                                       param_dtype, None)
+    return torch.ops.fsdp.unshard(flat, *flatten_shapes(shard), *flatten_shapes(full),
+                                  NAMES_SEP.join([f"w{unit}", f"b{unit}"]), world, unit, "ag", "rs", "", 1, True,
+                                  param_dtype, None)
 
 
 def _reduce_flat(grads: list[Tensor], unit: int, world: int, reduce_dtype: torch.dtype | None = None) -> Tensor:
     shard, _ = _shapes(world)
-    return torch.ops.fsdp.reduce_grad_flat(grads, *flatten_shapes(shard), NAMES_SEP.join([f"w{unit}", f"b{unit}"]),
-                                           world, unit, "ag", "rs", "", 1, reduce_dtype, torch.float32)
+    return torch.ops.fsdp.reduce_grad(grads, *flatten_shapes(shard), NAMES_SEP.join([f"w{unit}", f"b{unit}"]),
+                                      world, unit, "ag", "rs", "", 1, reduce_dtype, torch.float32)
 
 
 def _forward(world: int = 2, *, loose: bool = False, unread: bool = False, param_dtype: torch.dtype | None = None,
              ) -> fx.GraphModule:
     """Per unit k one flat gather of w_k and b_k, then ``x = relu(x @ w_k + b_k)``. ``loose``: unit 1
-    also gathers its w by a per-parameter marker on its piece of the flat (and reads both); ``unread``:
+    also gathers its w by a marker of its piece of the flat (and reads both); ``unread``:
     unit 2's b is never read."""
     torch.manual_seed(0)  # each call, the same example inputs
     rows = _shapes(world)[0][0][0]
@@ -96,7 +82,7 @@ def _forward(world: int = 2, *, loose: bool = False, unread: bool = False, param
 
 def _backward(world: int = 2, reduce_dtype: torch.dtype | None = None) -> fx.GraphModule:
     """Units in reverse: each re-gathers its w and b (flat), computes their full gradients and reduces
-    them with one ``reduce_grad_flat`` to its flat's gradient."""
+    them with one ``reduce_grad`` to its flat's gradient."""
     torch.manual_seed(0)
 
     def fn(g: Tensor, acts: Tensor, *flats: Tensor) -> list[Tensor]:
@@ -115,12 +101,17 @@ def _lowered(gm: fx.GraphModule, **options: object) -> fx.GraphModule:
     return valid(lower_markers_pass(gm, **options))  # type: ignore[arg-type]
 
 
-def _flat_markers(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if is_flat_unshard(n) or is_flat_reduce_grad(n)]
-
-
 def _markers(gm: fx.GraphModule) -> list[fx.Node]:
-    return _flat_markers(gm) + [n for n in gm.graph.nodes if is_unshard(n) or is_reduce_grad(n)]
+    return [n for n in gm.graph.nodes if is_unshard(n) or is_reduce_grad(n)]
+
+
+def _flat_markers(gm: fx.GraphModule) -> list[fx.Node]:
+    """The markers of several pieces."""
+    return [n for n in _markers(gm) if len(marker_args(n).shard_ranks) > 1]
+
+
+def _one_piece(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in _markers(gm) if len(marker_args(n).shard_ranks) == 1]
 
 
 class TestLowerFlat(TestCase):
@@ -185,7 +176,7 @@ wait_tensor div t mm""")
 def _outlined_call(flat: bool, inline: bool = False, twice: bool = False) -> fx.GraphModule:
     """One outlined call as Dynamo hands it on, its markers hoisted out of the body::
 
-        w = unshard(s_w, ...); b = unshard(s_b, ...); invoke_subgraph(body, "block", x, w, b)
+        w = unshard(s_w, ...)[0]; b = unshard(s_b, ...)[0]; invoke_subgraph(body, "block", x, w, b)
 
     ``flat``: the shards are pieces of one flat graph input, ``narrow`` (and ``view``) of it, as a flat
     unit's are read; else each a graph input of its own, as a unit not laid out flat has them."""
@@ -205,13 +196,16 @@ def _outlined_call(flat: bool, inline: bool = False, twice: bool = False) -> fx.
         s_b = valued(graph.call_method("narrow", (base, 0, n_w, n_b)), shard_b)
     else:
         s_w, s_b = valued(graph.placeholder("s_w"), shard_w), valued(graph.placeholder("s_b"), shard_b)
-    w, b = (valued(graph.call_function(torch.ops.fsdp.unshard.default,
-                                       (s, full, 2, 0, name, "ag", "rs", "", 1, True, None, None)), full)
-            for s, full, name in ((s_w, [WIDTH, WIDTH], "w"), (s_b, [WIDTH], "b")))
+    def read(s: fx.Node, shard: list[int], full: list[int], name: str) -> fx.Node:
+        marker = graph.call_function(torch.ops.fsdp.unshard.default, (
+            s, *flatten_shapes([shard]), *flatten_shapes([full]), name, 2, 0, "ag", "rs", "", 1, True, None, None))
+        marker.meta["example_value"] = [torch.zeros(full)]
+        return valued(graph.call_function(operator.getitem, (marker, 0)), full)
+
+    w, b = read(s_w, shard_w, [WIDTH, WIDTH], "w"), read(s_b, shard_b, [WIDTH], "b")
     if inline:  # the unit's code in the graph itself (``twice``: w read by a second marker too)
         if twice:
-            w = graph.call_function(torch.add, (w, valued(graph.call_function(torch.ops.fsdp.unshard.default, (
-                s_w, [WIDTH, WIDTH], 2, 0, "w", "ag", "rs", "", 1, True, None, None)), [WIDTH, WIDTH])))
+            w = graph.call_function(torch.add, (w, read(s_w, shard_w, [WIDTH, WIDTH], "w")))
         call = graph.call_function(torch.add, (graph.call_function(torch.matmul, (x, w)), b))
     else:
         call = graph.call_function(torch.ops.higher_order.invoke_subgraph, (graph.get_attr("body"), "block", x, w, b))
@@ -225,7 +219,7 @@ class TestGroupMarkers(TestCase):
     def test_an_outlined_call_reads_a_flat_unit_through_one_flat_marker(self) -> None:
         gm = group_markers_pass(_outlined_call(flat=True))
         (marker,) = _flat_markers(gm)
-        self.assertFalse([n for n in gm.graph.nodes if is_unshard(n) or n.op == "call_method"])  # pieces erased
+        self.assertFalse(_one_piece(gm) + [n for n in gm.graph.nodes if n.op == "call_method"])  # pieces erased
         self.assertEqual(marker.args[0].name, "flat")
         (call,) = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
         self.assertEqual([(a.args[0], a.args[1]) for a in call.args[3:]], [(marker, 0), (marker, 1)])
@@ -235,37 +229,33 @@ class TestGroupMarkers(TestCase):
         gm = group_markers_pass(_outlined_call(flat=True, inline=True))
         (marker,) = _flat_markers(gm)
         self.assertEqual(marker.args[0].name, "flat")
-        self.assertFalse([n for n in gm.graph.nodes if is_unshard(n)])
+        self.assertFalse(_one_piece(gm))
         gm = group_markers_pass(_outlined_call(flat=True, inline=True, twice=True))  # w's piece read twice
-        self.assertEqual((_flat_markers(gm), len([n for n in gm.graph.nodes if is_unshard(n)])), ([], 3))
+        self.assertEqual((_flat_markers(gm), len(_one_piece(gm))), ([], 3))
         gm = _outlined_call(flat=True, inline=True)  # NOTE [grad mode of a flat marker]: b read under no_grad
-        next(n for n in gm.graph.nodes if is_unshard(n) and marker_args(n).name == "b").meta["example_value"] = \
-            torch.zeros(WIDTH)
-        next(n for n in gm.graph.nodes if is_unshard(n) and marker_args(n).name == "w").meta["example_value"] = \
-            torch.zeros(WIDTH, WIDTH, requires_grad=True)
+        next(n for n in gm.graph.nodes if is_unshard(n) and marker_args(n).names == "b").meta["example_value"] = \
+            [torch.zeros(WIDTH)]
+        next(n for n in gm.graph.nodes if is_unshard(n) and marker_args(n).names == "w").meta["example_value"] = \
+            [torch.zeros(WIDTH, WIDTH, requires_grad=True)]
         self.assertEqual(_flat_markers(group_markers_pass(gm)), [])
 
     def test_a_unit_not_laid_out_flat_keeps_its_per_parameter_markers(self) -> None:
         before = [str(n.format_node()) for n in _outlined_call(flat=False).graph.nodes]
         gm = group_markers_pass(_outlined_call(flat=False))
         self.assertEqual([str(n.format_node()) for n in gm.graph.nodes], before)
-        self.assertEqual([marker_args(n).name for n in gm.graph.nodes if is_unshard(n)], ["w", "b"])
+        self.assertEqual([marker_args(n).names for n in gm.graph.nodes if is_unshard(n)], ["w", "b"])
 
 
 def test_every_marker_follows_the_one_marker_spec() -> None:
     """(NOTE [one marker spec]) The markers' schemas name the arguments of ``UNSHARD_ARGS`` /
-    ``REDUCE_GRAD_ARGS``, in order and with those types; the flat markers end with the shared ones (the flat
-    gather then with its accumulation leaves, NOTE [no-sync]); the
-    reader ``marker_args`` and the arguments ``fully_shard`` builds for a read use those names."""
+    ``REDUCE_GRAD_ARGS``, in order and with those types; the reader ``marker_args`` and the arguments
+    ``fully_shard`` builds for a read use those names."""
     def spelled(spec: tuple[tuple[str, str], ...]) -> str:
         return ", ".join(f"{type_} {name}" for name, type_ in spec)
 
     assert str(torch.ops.fsdp.unshard.default._schema).replace("=None", "") == (
-        f"fsdp::unshard({spelled(UNSHARD_ARGS)}) -> Tensor")
+        f"fsdp::unshard({spelled(UNSHARD_ARGS)}) -> Tensor[]")
     assert str(torch.ops.fsdp.reduce_grad.default._schema) == f"fsdp::reduce_grad({spelled(REDUCE_GRAD_ARGS)}) -> Tensor"
-    for op, tail in [(torch.ops.fsdp.unshard_flat, f"{spelled(UNSHARD_SHARED)}, Tensor[]? accumulate=None"),
-                     (torch.ops.fsdp.reduce_grad_flat, spelled(REDUCE_GRAD_SHARED))]:
-        assert str(op.default._schema).split(") -> ")[0].endswith(tail), op
     gm = _outlined_call(flat=False)
     marker = next(n for n in gm.graph.nodes if is_unshard(n))
     assert tuple(vars(marker_args(marker))) == arg_names(UNSHARD_ARGS)

@@ -1,9 +1,9 @@
 """Gradient accumulation without communication: ``set_requires_gradient_sync(False)``.
 
 NOTE [no-sync]: while a unit does not sync, each read of a param passes a full-shape *accumulation
-leaf* to ``fsdp::unshard`` (a flat unit's reads, grouped, pass their leaves to one ``fsdp::unshard_flat``:
-NOTE [flat markers] in ``passes/capture/group_markers.py``); the marker's backward then sends the full
-gradient to that leaf's ``.grad`` (autograd accumulates it across microbatches, in the param's dtype)
+leaf* to ``fsdp::unshard`` (a unit's reads, grouped, pass their leaves to one marker: NOTE [flat
+markers] in ``passes/capture/group_markers.py``); the marker's backward then sends each full gradient
+to its leaf's ``.grad`` (autograd accumulates it across microbatches, in the param's dtype)
 and gives the shard none, so the backward graph holds no reduce-scatter at all. The leaf is a
 zero-stride expansion of one element: only its gradient takes memory, like the unsharded gradients
 eager FSDP keeps in this mode.

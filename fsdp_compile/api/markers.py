@@ -1,10 +1,11 @@
 """The two marker ops that Dynamo and AOTAutograd see: ``fsdp::unshard`` and ``fsdp::reduce_grad``.
 
-``unshard(shard) -> full param`` is what a sharded module calls (through a parametrization) each time
-it reads a parameter. Its registered autograd backward is ``reduce_grad(full grad) -> shard grad``, so
-the joint graph AOTAutograd builds holds one marker in forward and its partner in backward, each
-carrying, as plain op arguments, everything the passes need: the unit, the groups, the world size, the
-full shape and the dtypes. The passes in ``passes/`` replace both with functional collectives; the
+``unshard(shard) -> [full param]`` is what a sharded module calls (through a parametrization) each time
+it reads a parameter; the backend groups a unit's reads into one marker of its flat shard, ``unshard(flat)
+-> [full params]`` (NOTE [flat markers] in ``passes/capture/group_markers.py``). Its registered autograd
+backward is ``reduce_grad([full grads]) -> shard grad``, so the joint graph AOTAutograd builds holds one
+marker in forward and its partner in backward, each carrying, as plain op arguments, everything the
+passes need: the unit, the groups, the world size, the shapes and the dtypes. The passes in ``passes/`` replace both with functional collectives; the
 eager implementations below only run when a sharded model is *not* compiled by ``fsdp_backend``.
 
 NOTE [padding]: a param of dim-0 size ``n`` is stored as ``ceil(n / world)`` rows on every rank; the
@@ -31,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fsdp_compile.passes.graph_ops import REDUCE_GRAD_ARGS, UNSHARD_ARGS, by_name, in_order
+from fsdp_compile.passes.graph_ops import (NAMES_SEP, REDUCE_GRAD_ARGS, UNSHARD_ARGS, by_name, in_order, numel,
+                                          unflatten_shapes)
 
 __all__ = ["ANONYMOUS_UNIT", "unshard", "reduce_grad", "reduce_full_grad", "shard_rows"]
 
@@ -84,26 +86,33 @@ def shard_rows(dim0: int, world_size: int) -> int:
 
 # The schemas are built from NOTE [one marker spec] (``passes/graph_ops.py``); the kernels read their
 # arguments by those names.
-def unshard(*args: Any) -> Tensor:
-    """``fsdp::unshard(shard, full_shape, world_size, unit, name, ag_group, rs_group, replicate_group,
-    replicate_size, reshard, param_dtype, reduce_dtype, accumulate=None)``: gather the full parameter
-    ``name`` of ``unit`` from every rank's dim-0 shard.
+def unshard(*args: Any) -> list[Tensor]:
+    """``fsdp::unshard(shard, shard_ranks, shard_dims, ranks, dims, names, world_size, unit, ag_group,
+    rs_group, replicate_group, replicate_size, reshard, param_dtype, reduce_dtype, accumulate=None)``:
+    gather the full parameters whose dim-0 shards are the pieces of ``shard`` (NOTE [one marker spec]),
+    from every rank.
 
-    ``shard`` has ``shard_rows(full_shape[0], world_size)`` rows; the result has ``full_shape`` and
-    ``param_dtype`` (the shard's dtype when ``None``): the cast happens before the gather. The other
-    arguments only inform the backward (``reduce_grad``) and the graph passes.
+    Piece ``i`` has ``shard_rows(full[0], world_size)`` rows of its full shape ``full``; parameter ``i``
+    has ``full`` and ``param_dtype`` (the shard's dtype when ``None``): the cast happens before the
+    gather. The other arguments only inform the backward (``reduce_grad``) and the graph passes.
 
     ``accumulate`` (gradient accumulation without communication, see ``accumulate.py``): a full-shape
-    leaf whose ``.grad`` receives the full gradient instead; the shard gets none and nothing is reduced.
+    leaf per parameter, whose ``.grad`` receives its full gradient instead; the shard gets none and
+    nothing is reduced.
     """
     _warn_slow_path()
     a = by_name(UNSHARD_ARGS, args)
     shard, param_dtype, world_size = a["shard"], a["param_dtype"], a["world_size"]
-    full_shape = list(a["full_shape"])
-    x = shard if param_dtype is None else shard.to(param_dtype)  # the cast: a shard, before the gather
+    fulls = unflatten_shapes(a["ranks"], a["dims"])
+    x = (shard if param_dtype is None else shard.to(param_dtype)).reshape(-1)  # the cast: a shard, before the gather
+    fresh = world_size > 1 or x.dtype != shard.dtype
     if world_size > 1:
-        return _full_of(_gather_eagerly(x, world_size, a["ag_group"], a["name"]), full_shape)
-    return _full_of(x, full_shape) if x is not shard else x.reshape(full_shape).clone()  # (no alias of the input)
+        x = _gather_eagerly(x, world_size, a["ag_group"], a["names"])
+    if len(fulls) == 1 and fresh:
+        return [_full_of(x, fulls[0])]
+    sizes = [numel(s) for s in unflatten_shapes(a["shard_ranks"], a["shard_dims"])]
+    outs = torch.ops.fsdp.copy_out_rows(x, world_size, sizes, a["ranks"], a["dims"])  # (no alias of the input)
+    return [_full_of(o, full) for o, full in zip(outs, fulls)]
 
 
 def _full_of(padded: Tensor, full_shape: list[int]) -> Tensor:
@@ -113,12 +122,13 @@ def _full_of(padded: Tensor, full_shape: list[int]) -> Tensor:
     return full.set_(padded.untyped_storage(), padded.storage_offset(), full_shape, strides)
 
 
-def _gather_eagerly(x: Tensor, world_size: int, group: str, name: str) -> Tensor:
+def _gather_eagerly(x: Tensor, world_size: int, group: str, names: str) -> Tensor:
     try:
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), world_size, group)
         return torch.ops._c10d_functional.wait_tensor(gathered)
     except RuntimeError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        name = names.split(NAMES_SEP)[0]
         raise RuntimeError(
             f"fsdp_compile: gathering {name or 'a sharded parameter'} outside compiled code failed ({first}). "
             "Reading a sharded parameter outside a graph compiled by fsdp_backend is a collective: every rank "
@@ -127,27 +137,34 @@ def _gather_eagerly(x: Tensor, world_size: int, group: str, name: str) -> Tensor
         ) from e
 
 
-def _unshard_fake(shard: Tensor, full_shape: list[int], *args: object) -> Tensor:
-    param_dtype = by_name(UNSHARD_ARGS, (shard, full_shape, *args))["param_dtype"]
-    return shard.new_empty(full_shape, dtype=param_dtype or shard.dtype)  # type: ignore[arg-type]
+def _unshard_fake(*args: Any) -> list[Tensor]:
+    a = by_name(UNSHARD_ARGS, args)
+    shard, dtype = a["shard"], a["param_dtype"] or a["shard"].dtype
+    return [shard.new_empty(full, dtype=dtype) for full in unflatten_shapes(a["ranks"], a["dims"])]
 
 
-def _unshard_setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-    args = by_name(UNSHARD_ARGS, inputs)
-    shard = args.pop("shard")
-    ctx.accumulate = args.pop("accumulate", None) is not None
-    ctx.args = args  # (no tensor among them)
-    ctx.shard_shape = list(shard.shape)
-    ctx.shard_dtype = shard.dtype
+def _unshard_setup_context(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
+    a = by_name(UNSHARD_ARGS, inputs)
+    shard = a["shard"]
+    ctx.accumulating = a.get("accumulate") is not None
+    ctx.full = [(full, a["param_dtype"] or shard.dtype) for full in unflatten_shapes(a["ranks"], a["dims"])]
+    ctx.shard_shape, ctx.shard_dtype, ctx.device = list(shard.shape), shard.dtype, shard.device
+    ctx.reduce_args = in_order(REDUCE_GRAD_ARGS, **a, grads=None, out_dtype=shard.dtype)[1:]  # (no tensor among them)
+    # No gradient for the arguments between the shard and the leaves: ``None``, or an empty list for an
+    # empty list (a 0-d parameter's ``dims``), as autograd matches the inputs' structure.
+    ctx.no_grads = tuple([] if isinstance(v, (list, tuple)) and not v else None for v in inputs[1:len(UNSHARD_ARGS) - 1])
 
 
-def _unshard_backward(ctx: Any, grad: Tensor) -> tuple:
-    no_grads = (None,) * (len(UNSHARD_ARGS) - 1)
-    if ctx.accumulate:
-        # No communication: the full gradient goes to the accumulation leaf, in the shard's dtype.
-        return no_grads + (grad.to(ctx.shard_dtype),)
-    values = {**ctx.args, "grad": grad, "shard_shape": ctx.shard_shape, "out_dtype": ctx.shard_dtype}
-    return (torch.ops.fsdp.reduce_grad(*in_order(REDUCE_GRAD_ARGS, **values)),) + no_grads
+def _unshard_backward(ctx: Any, grads: list[Tensor | None]) -> tuple:
+    no_grads = ctx.no_grads
+    if ctx.accumulating:  # no communication: each full gradient to its leaf, in the shard's dtype
+        return (None, *no_grads, [g.to(ctx.shard_dtype) if g is not None else None for g in grads])
+    # A parameter the forward never read has no gradient: zeros, which reduce to its zero gradient.
+    full = [g if g is not None else torch.zeros(shape, dtype=dtype, device=ctx.device)
+            for g, (shape, dtype) in zip(grads, ctx.full)]
+    grad = torch.ops.fsdp.reduce_grad(full, *ctx.reduce_args)
+    # (``accumulate`` left ``None`` reaches autograd as no input: no gradient for it)
+    return (grad if list(grad.shape) == ctx.shard_shape else grad.view(ctx.shard_shape), *no_grads)
 
 
 torch.library.impl("fsdp::unshard", "CompositeExplicitAutograd")(unshard)
@@ -161,19 +178,22 @@ torch.library.register_autograd("fsdp::unshard", _unshard_backward, setup_contex
 
 
 def reduce_grad(*args: Any) -> Tensor:
-    """``fsdp::reduce_grad(grad, shard_shape, world_size, unit, name, ag_group, rs_group, replicate_group,
-    replicate_size, reduce_dtype, out_dtype)``: average the full gradient of ``name`` over all
-    data-parallel ranks and keep this rank's shard.
+    """``fsdp::reduce_grad(grads, shard_ranks, shard_dims, names, world_size, unit, ag_group, rs_group,
+    replicate_group, replicate_size, reduce_dtype, out_dtype)``: average each full gradient over all
+    data-parallel ranks and keep this rank's shard of it; the gradient of ``fsdp::unshard``'s ``shard``.
 
-    The gradient is cast to ``reduce_dtype`` (when given), padded to ``world_size`` shards, summed with
+    Each gradient is cast to ``reduce_dtype`` (when given), padded to ``world_size`` shards, summed with
     a reduce-scatter on ``rs_group``, all-reduced over ``replicate_group`` when one is named (HSDP),
-    divided by the number of data-parallel ranks and cast to ``out_dtype``. ``ag_group`` only tells
-    the passes whether the two collectives share a communicator.
+    divided by the number of data-parallel ranks and cast to ``out_dtype``. The result is the one piece
+    in its shape, or the pieces one after another, 1-D. ``ag_group`` only tells the passes whether the
+    two collectives share a communicator.
     """
     _warn_slow_path()
     a = by_name(REDUCE_GRAD_ARGS, args)
-    return reduce_full_grad(a["grad"], list(a["shard_shape"]), a["world_size"], a["rs_group"], a["replicate_group"],
-                            a["replicate_size"], a["reduce_dtype"], a["out_dtype"])
+    shapes = unflatten_shapes(a["shard_ranks"], a["shard_dims"])
+    outs = [reduce_full_grad(g, s, a["world_size"], a["rs_group"], a["replicate_group"], a["replicate_size"],
+                             a["reduce_dtype"], a["out_dtype"]) for g, s in zip(a["grads"], shapes)]
+    return outs[0] if len(outs) == 1 else torch.cat([g.reshape(-1) for g in outs])
 
 
 def reduce_full_grad(
@@ -204,10 +224,11 @@ def reduce_full_grad(
     return g.to(out_dtype).reshape(shard_shape)
 
 
-def _reduce_grad_fake(grad: Tensor, shard_shape: list[int], *args: object) -> Tensor:
-    out_dtype = by_name(REDUCE_GRAD_ARGS, (grad, shard_shape, *args))["out_dtype"]
-    assert isinstance(out_dtype, torch.dtype)
-    return grad.new_empty(shard_shape, dtype=out_dtype)
+def _reduce_grad_fake(*args: Any) -> Tensor:
+    a = by_name(REDUCE_GRAD_ARGS, args)
+    shapes = unflatten_shapes(a["shard_ranks"], a["shard_dims"])
+    out_shape = shapes[0] if len(shapes) == 1 else [sum(numel(s) for s in shapes)]
+    return a["grads"][0].new_empty(out_shape, dtype=a["out_dtype"])
 
 
 torch.library.impl("fsdp::reduce_grad", "CompositeExplicitAutograd")(reduce_grad)

@@ -39,21 +39,21 @@ def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
         flat = FLATS[key] if key else None
         from_flat = flat is not None and reading_flats() and (flat.requires_grad or not p.shard.requires_grad)
         shard = flat.narrow(0, offset, numel).view(piece_shape) if from_flat else p.shard
-    return torch.ops.fsdp.unshard(shard, *args, p.accumulator if accumulating else None)  # NOTE [outlined units]
+    return torch.ops.fsdp.unshard(shard, *args, [p.accumulator] if accumulating else None)[0]  # NOTE [outlined units]
 
 
-def accumulator(p: ShardedParam) -> Tensor | None:
+def accumulator(p: ShardedParam) -> list[Tensor] | None:
     """The leaf a read passes while its unit accumulates without sync (NOTE [no-sync]), else ``None``."""
-    return p.accumulator if p.unit.accumulating else None
+    return [p.accumulator] if p.unit.accumulating else None  # type: ignore[list-item]
 
 
 _forwards = threading.local()  # how many units' forwards run eagerly on this thread
 
-_BETWEEN = arg_names(UNSHARD_ARGS)[1:-1]  # fsdp::unshard's arguments between the shard and the accumulator
+_BETWEEN = arg_names(UNSHARD_ARGS)[1:-1]  # fsdp::unshard's arguments between the shard and the accumulators
 
 
 def read_args(values: dict[str, object]) -> tuple:
-    """``fsdp::unshard``'s arguments between the shard and the accumulator, in order, from ``values`` by
+    """``fsdp::unshard``'s arguments between the shard and the accumulators, in order, from ``values`` by
     name (NOTE [one marker spec])."""
     return tuple(values[name] for name in _BETWEEN)
 

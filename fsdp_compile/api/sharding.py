@@ -31,6 +31,7 @@ from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks
                                     traced_property, traced_unshard)
 from fsdp_compile.api.stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
 from fsdp_compile.api.units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of, units_under
+from fsdp_compile.passes.graph_ops import flatten_shapes, shard_shape
 
 __all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "local_shard", "unit_of"]
 
@@ -47,7 +48,7 @@ class Unshard(nn.Module):
             return traced_unshard(self.param, shard if self.param.unit.stacked else None)
         p = self.param
         with contextlib.nullcontext() if in_eager_forward() else read_outside_forward():  # NOTE [the slow-path warning]
-            full = torch.ops.fsdp.unshard(shard, *eager_args(p), accumulator(p))
+            (full,) = torch.ops.fsdp.unshard(shard, *eager_args(p), accumulator(p))
         return gathered(full, p)  # NOTE [reading a sharded parameter]
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
@@ -355,7 +356,7 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
         for sp in unit.params:
             sp.marker_values = _marker_values(sp)
             # NOTE [anonymous reads] in markers.py: a traced read names no unit; the backend names it
-            sp.traced_args = read_args({**sp.marker_values, "unit": ANONYMOUS_UNIT, "name": ""})
+            sp.traced_args = read_args({**sp.marker_values, "unit": ANONYMOUS_UNIT, "names": ""})
             sp.replan()
 
 
@@ -383,16 +384,21 @@ def _choose_outlined(units: list[Unit]) -> None:
 
 
 def _marker_values(p: ShardedParam) -> dict[str, object]:
-    """The arguments of ``fsdp::unshard`` besides the shard and the accumulator, by name (NOTE [one marker
-    spec]), all constants."""
+    """The arguments of ``fsdp::unshard`` besides the shard and the accumulators, by name (NOTE [one marker
+    spec]), all constants: one piece, ``p``'s shard."""
     unit = p.unit
     groups = unit.groups
     mp = unit.mp_policy
+    shard_ranks, shard_dims = flatten_shapes([shard_shape(p.full_shape, groups.shard_size)])
+    ranks, dims = flatten_shapes([p.full_shape])
     return {
-        "full_shape": list(p.full_shape),
+        "shard_ranks": shard_ranks,
+        "shard_dims": shard_dims,
+        "ranks": ranks,
+        "dims": dims,
+        "names": p.fqn,
         "world_size": groups.shard_size,
         "unit": unit.index,
-        "name": p.fqn,
         "ag_group": groups.all_gather.group_name,
         "rs_group": groups.reduce_scatter.group_name,
         "replicate_group": groups.replicate.group_name if groups.replicate is not None else "",

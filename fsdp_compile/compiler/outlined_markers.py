@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from fsdp_compile.passes.predicates import marker_args, flat_piece, is_reduce_grad, is_unshard, needs_grad
+from fsdp_compile.passes.graph_ops import NAMES_SEP
+from fsdp_compile.passes.predicates import flat_piece, is_reduce_grad, is_unshard, marker_args, needs_grad
 from fsdp_compile.passes.subgraphs import hop_bodies, hop_calls, holds
 
 from fsdp_compile.api.flat_shard import flat_member
@@ -40,8 +41,8 @@ def read_params(gm: fx.GraphModule) -> frozenset[tuple[int, str]] | None:
     gradient (not under ``torch.no_grad()``): a parameter of a flat that no such marker reads gets no
     gradient from the graph (NOTE [gradients through the parameters] in ``flat_shard.py``). ``None``
     (every parameter read) while a marker is unnamed."""
-    read = {(marker_args(n).unit, marker_args(n).name) for g in (gm, *hop_bodies(gm))
-            for n in g.graph.nodes if is_unshard(n) and needs_grad(n)}
+    read = {(marker_args(n).unit, name) for g in (gm, *hop_bodies(gm)) for n in g.graph.nodes
+            if is_unshard(n) and needs_grad(n) for name in str(marker_args(n).names).split(NAMES_SEP)}
     return None if any(unit == ANONYMOUS_UNIT for unit, _ in read) else frozenset(read)
 
 
@@ -72,7 +73,7 @@ def _name_markers(gm: fx.GraphModule, values: dict[fx.Node, object]) -> None:
                 sp = flat_member(_value(gm, values, piece[0]), piece[1])
             assert sp is not None, f"an outlined unit's marker reads {shard.name}, which is no sharded parameter"
             _set_marker_arg(node, "unit", sp.unit.index)
-            _set_marker_arg(node, "name", sp.fqn)
+            _set_marker_arg(node, "names", sp.fqn)
     for call, body, start in hop_calls(gm):
         if holds(body, is_unshard):
             placeholders = body.graph.find_nodes(op="placeholder")

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile.passes.predicates import marker_args, is_flat_unshard, is_unshard, schema_args
+from fsdp_compile.passes.predicates import is_unshard, marker_args
 
 from fsdp_compile._compat import OpOverload, inductor_joint_graph_passes, min_cut_rematerialization_partition, timed
 
@@ -61,12 +61,9 @@ def _tag_reshard(joint: fx.GraphModule) -> None:
     only read them) must-recompute, so the partitioner cannot save a gathered param for backward and
     instead re-runs the unshard there; units with ``reshard_after_forward=False`` are must-save."""
     for node in joint.graph.nodes:
-        if is_unshard(node):
-            reshard = marker_args(node).reshard
-        elif is_flat_unshard(node):  # NOTE [flat markers]: its getitems are read as views are
-            reshard = bool(schema_args(node)["reshard"])
-        else:
+        if not is_unshard(node):
             continue
+        reshard = bool(marker_args(node).reshard)  # (its getitems are read as views are)
         policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
         node.meta["recompute"] = policy
         node.meta["ac_graph_id"] = _AC_GRAPH_ID

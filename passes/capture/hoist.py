@@ -6,10 +6,10 @@ shards, and the body gathers them with markers of its own. The passes schedule c
 outer graph, so this pass moves each marker that reads only body inputs out to the calls: the body
 takes the gathered parameter instead of the shard, and each call gathers its own unit's shard::
 
-    before:  body(x, s_a, s_b):  w_a = unshard(s_a, ...); w_b = unshard(s_b, ...); <block ops>(x, w_a, w_b)
+    before:  body(x, s_a, s_b):  w_a = unshard(s_a, ...)[0]; w_b = unshard(s_b, ...)[0]; <block ops>(x, w_a, w_b)
              h1 = invoke_subgraph(body, x0, s0_a, s0_b)[0]; h2 = invoke_subgraph(body, h1, s1_a, s1_b)[0]
     after:   body(x, w_a, w_b):  <block ops>(x, w_a, w_b)
-             h1 = invoke_subgraph(body, x0, unshard(s0_a), unshard(s0_b))[0]; h2 = ...(h1, unshard(s1_a), ...)
+             h1 = invoke_subgraph(body, x0, unshard(s0_a)[0], unshard(s0_b)[0])[0]; h2 = ...
 
 The markers keep their arguments (the backend names their unit afterwards, from the shard). A marker
 reading a piece of a flat shard that is a body input (``narrow`` and ``view`` of it, NOTE [flat markers]
@@ -18,6 +18,8 @@ body otherwise stays where it is (the backend then inlines that body).
 """
 
 from __future__ import annotations
+
+import operator
 
 from torch import fx
 
@@ -28,9 +30,9 @@ __all__ = ["hoist_unshards_pass"]
 
 
 def _hoistable(marker: fx.Node, placeholders: set[fx.Node]) -> list[fx.Node] | None:
-    """``placeholder (shard) [, placeholder (accumulator)] -> unshard``: reads body inputs only, or a
-    piece of one (``placeholder (flat) -> narrow -> view -> unshard``); the nodes that move with it
-    (the piece's, then the marker), else ``None``."""
+    """``placeholder (shard) [, placeholder (accumulator)] -> unshard -> getitem``: reads body inputs only,
+    or a piece of one (``placeholder (flat) -> narrow -> view -> unshard``), and is read by index; the
+    nodes that move with it (the piece's, then the marker; its getitems follow), else ``None``."""
     moved: list[fx.Node] = []
     for i in marker.all_input_nodes:
         if i in placeholders:
@@ -39,6 +41,8 @@ def _hoistable(marker: fx.Node, placeholders: set[fx.Node]) -> list[fx.Node] | N
         if piece is None or piece[0] not in placeholders or any(len(n.users) != 1 for n in piece[3]):
             return None
         moved.extend(piece[3])
+    if not all(u.target is operator.getitem for u in marker.users):
+        return None
     return [*moved, marker]
 
 
@@ -62,7 +66,7 @@ def _hoist_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> None:
         env = {p: operands[position[p]] for p in placeholders}
         gathered = []
         for marker in markers:
-            for node in moving[marker]:
+            for node in [*moving[marker], *marker.users]:
                 with gm.graph.inserting_before(call):
                     outer = gm.graph.node_copy(node, lambda n: env[n])
                 for key in ("example_value", "val"):
@@ -70,18 +74,21 @@ def _hoist_body(gm: fx.GraphModule, name: str, calls: list[fx.Node]) -> None:
                         # (keeping its requires_grad: NOTE [grad mode of a flat marker] in group_markers.py)
                         outer.meta[key] = fresh_value(node.meta[key], requires_grad=True)
                 env[node] = outer
-            gathered.append(env[marker])
+            gathered.extend(env[item] for item in marker.users)
         call.args = (call.args[0], call.args[1], *[env[p] for p in kept], *gathered)
-    # The body: each marker becomes a new input after the existing ones; inputs only they read go.
+    # The body: each parameter a marker gathers becomes a new input after the existing ones; inputs only
+    # the markers read go.
     last = placeholders[-1]
     for marker in markers:
-        with graph.inserting_after(last):
-            p = graph.placeholder(f"{marker.name}_gathered")
-        p.meta.update(marker.meta)
-        marker.replace_all_uses_with(p)
+        for item in list(marker.users):
+            with graph.inserting_after(last):
+                p = graph.placeholder(f"{item.name}_gathered")
+            p.meta.update(item.meta)
+            item.replace_all_uses_with(p)
+            graph.erase_node(item)
+            last = p
         for node in reversed(moving[marker]):
             graph.erase_node(node)
-        last = p
     for p in unread:
         graph.erase_node(p)
     graph.lint()

@@ -64,8 +64,8 @@ def _gather(x: Tensor, world: int, group: str, elide: bool) -> Tensor:
 def _gather_alone(world: int, group: str, dtype: torch.dtype, shape: Sequence[int], elide: bool
                   ) -> Callable[[Tensor], list[Tensor]]:
     def fn(shard: Tensor) -> list[Tensor]:
-        x = cast(shard, dtype)
-        rows = _gather(x.reshape(-1), world, group, elide).view(-1, *x.shape[1:])
+        x = cast(shard, dtype)  # (the shard in its shape, or 1-D: a flat of this one parameter)
+        rows = _gather(x.reshape(-1), world, group, elide).view(-1, *shape[1:])
         dim0 = shape[0] if shape else 1
         if rows.shape[0] != dim0:  # padding (NOTE [padding])
             rows = rows[:dim0]

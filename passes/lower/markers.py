@@ -1,14 +1,14 @@
 """Lower every marker to collectives: one all-gather and one reduce-scatter per unit and graph.
 
-NOTE [one lowering]: a graph AOTAutograd hands on reads parameters through markers of two shapes
-(NOTE [flat markers] in ``capture/group_markers.py``): a flat marker, every parameter of a flat unit
-that one outlined call (or the unit's inline code) reads, and a per-parameter marker, for a unit not laid
-out flat. This pass gathers each marker's parameters into *buckets* and writes one collective per bucket
-(``bucket.py``):
+NOTE [one lowering]: a graph AOTAutograd hands on reads parameters through one marker op, of one piece or
+several (NOTE [flat markers] in ``capture/group_markers.py``): a flat marker, every parameter of a flat
+unit that one outlined call (or the unit's inline code) reads, and a marker of one piece, for a unit not
+laid out flat. This pass gathers the markers' parameters into *buckets* and writes one collective per
+bucket (``bucket.py``):
 
 - a flat marker is one bucket: its flat shard gathered as it is, the reduce-scatter's output the flat's
   gradient as it is;
-- the per-parameter markers of a unit are one bucket per graph (one group, one dtype), in graph order; a
+- the markers of one piece of a unit are one bucket per graph (one group, one dtype), in graph order; a
   reduce-scatter bucket is split into stretches (NOTE [gradients in stretches]);
 - a parameter large enough goes alone (NOTE [large params alone]), and so does every parameter of a
   group of one rank whose collectives are elided: only its casts remain.
@@ -52,15 +52,7 @@ from torch import fx
 
 from ..graph_ops import NAMES_SEP, numel, unflatten_shapes
 from ..order import reorder
-from ..predicates import (
-    flat_piece,
-    gathers_needed,
-    is_flat_reduce_grad,
-    is_flat_unshard,
-    is_reduce_grad,
-    is_unshard,
-    schema_args,
-)
+from ..predicates import flat_piece, gathers_needed, is_reduce_grad, is_unshard, schema_args
 from ..splice import splice
 from .bucket import splice_gather, splice_reduce
 
@@ -69,35 +61,33 @@ __all__ = ["lower_markers_pass"]
 
 @dataclass
 class _Member:
-    """One parameter of a marker: ``marker`` itself (per-parameter) or item ``index`` of a flat marker."""
+    """One parameter of a marker: piece ``index`` of ``marker``."""
 
     marker: fx.Node
-    index: int | None
+    index: int
+    grouped: bool  # the marker reads several pieces: a flat shard, cut into them
     name: str
     shape: tuple[int, ...]  # full (gather) or the shard's (reduce)
     size: int  # elements per rank: the shard's
-    input: fx.Node  # the shard, or the flat shard (a flat gather), or the full gradient
-    offset: int = 0  # in the flat shard (a flat gather)
-    piece: tuple[int, ...] = ()  # its shard's shape (a flat gather: the piece cut from the flat)
-    out: fx.Node | None = None  # what stands for its gathered parameter (a gather)
+    input: fx.Node  # the marker's shard (a gather), or the full gradient
+    offset: int = 0  # in the marker's shard (a gather)
+    piece: tuple[int, ...] = ()  # its shard's shape (a gather)
+    out: fx.Node | None = None  # what stands for its gathered parameter (a gather): the marker's getitem
 
 
 def _members(node: fx.Node, a: dict[str, object], gather: bool) -> list[_Member]:
-    if is_unshard(node) or is_reduce_grad(node):
-        shape = tuple(a["full_shape" if gather else "shard_shape"])  # type: ignore[call-overload]
-        shard = a["shard"] if gather else None
-        size = int(shard.meta["val"].numel()) if gather else numel(shape)  # type: ignore[union-attr]
-        return [_Member(node, None, str(a["name"]), shape, size, a["shard" if gather else "grad"], out=node)]  # type: ignore[arg-type]
     names = str(a["names"]).split(NAMES_SEP)
     shards = unflatten_shapes(a["shard_ranks"], a["shard_dims"])  # type: ignore[arg-type]
+    grouped = len(shards) > 1
     if not gather:
-        return [_Member(node, i, n, tuple(s), numel(s), g) for i, (n, s, g) in enumerate(zip(names, shards, a["grads"]))]  # type: ignore[call-overload]
+        return [_Member(node, i, grouped, n, tuple(s), numel(s), g)
+                for i, (n, s, g) in enumerate(zip(names, shards, a["grads"]))]  # type: ignore[call-overload]
     items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
     assert len(items) == len(node.users), f"{node.name}: read other than by index"
     out, offset = [], 0
     for i, (n, s, full) in enumerate(zip(names, shards, unflatten_shapes(a["ranks"], a["dims"]))):  # type: ignore[arg-type]
         if i in items:
-            out.append(_Member(node, i, n, tuple(full), numel(s), a["flat"], offset, tuple(s), items[i]))  # type: ignore[arg-type]
+            out.append(_Member(node, i, grouped, n, tuple(full), numel(s), a["shard"], offset, tuple(s), items[i]))  # type: ignore[arg-type]
         offset += numel(s)
     return out
 
@@ -108,20 +98,20 @@ def _dtype(m: _Member, a: dict[str, object], gather: bool) -> torch.dtype:
 
 
 def _buckets(gm: fx.GraphModule, gather: bool) -> list[tuple[dict[str, object], list[_Member]]]:
-    """Each marker's members, one list per bucket: a flat marker's alone, a unit's per-parameter markers
+    """Each marker's members, one list per bucket: a flat marker's alone, a unit's markers of one piece
     together (per group and dtype), in graph order; reduce-scatters in stretches."""
-    flat_op, single_op = (is_flat_unshard, is_unshard) if gather else (is_flat_reduce_grad, is_reduce_grad)
+    is_marker = is_unshard if gather else is_reduce_grad
     runs: dict[tuple, list[list[_Member]]] = {}
     args: dict[tuple, dict[str, object]] = {}
     previous = None  # the unit of the last reduce-scatter marker
     for node in gm.graph.nodes:
-        if not (flat_op(node) or single_op(node)):
+        if not is_marker(node):
             continue
         a = schema_args(node)
         members = _members(node, a, gather)
         if not members:
             continue
-        if flat_op(node):
+        if members[0].grouped:
             key: tuple = (node,)
             runs[key] = [members]
         else:
@@ -173,7 +163,7 @@ def _meta(a: dict[str, object], part: list[_Member], kind: str, casts: bool = Fa
     meta: dict[str, object] = {"unit": a["unit"], "kind": kind, "ag_group": a["ag_group"], "rs_group": a["rs_group"]}
     if kind != "all_gather":
         meta.update(replicate_group=a["replicate_group"], casts=casts)
-    if len(part) == 1 and part[0].index is None:
+    if len(part) == 1 and not part[0].grouped:
         meta["param"] = part[0].name
     else:
         meta["params"] = [m.name for m in part]
@@ -187,7 +177,7 @@ def _lower_gathers(gm: fx.GraphModule, hoist: dict[fx.Node, fx.Node], *, elide: 
     for a, members in _buckets(gm, gather=True):
         world, group = int(a["world_size"]), str(a["ag_group"])  # type: ignore[call-overload]
         dtype = _dtype(members[0], a, gather=True)
-        flat = members[0].index is not None
+        flat = members[0].grouped
         for part in _parts(members, a, gather=True, elide=elide, alone_bytes=alone_bytes):
             whole = flat and len(part) > 1 and len(part) == len(str(a["names"]).split(NAMES_SEP))
             cuts = None if not flat or whole else [(m.offset, m.piece) for m in part]
@@ -201,8 +191,7 @@ def _lower_gathers(gm: fx.GraphModule, hoist: dict[fx.Node, fx.Node], *, elide: 
             for m, out in zip(part, outs):
                 assert m.out is not None
                 m.out.replace_all_uses_with(out)
-                if m.out is not m.marker:
-                    gm.graph.erase_node(m.out)
+                gm.graph.erase_node(m.out)
             if len(part) > 1 and inserted:  # the inputs (views of graph inputs) move up with the bucket
                 for x in inputs:
                     for n in _ancestors(x):
@@ -210,8 +199,8 @@ def _lower_gathers(gm: fx.GraphModule, hoist: dict[fx.Node, fx.Node], *, elide: 
             pieces.append((inputs, _meta(a, part, "all_gather")))
         for marker in {m.marker: None for m in members}:
             _erase_with_items(marker)
-    for marker in list(gm.graph.find_nodes(op="call_function", target=torch.ops.fsdp.unshard_flat.default)):
-        _erase_with_items(marker)  # (a flat marker nothing reads)
+    for marker in [n for n in gm.graph.nodes if is_unshard(n)]:
+        _erase_with_items(marker)  # (a marker nothing reads)
     for inputs, meta in pieces:
         _tag_pieces(inputs, meta)
 
@@ -229,7 +218,7 @@ def _lower_reduces(gm: fx.GraphModule, *, elide: bool, alone_bytes: int | None) 
         dtype = _dtype(members[0], a, gather=False)
         casts = any(m.input.meta["val"].dtype != dtype for m in members)
         ranks = world * max(int(a["replicate_size"]), 1)  # type: ignore[call-overload]
-        flat = members[0].index is not None
+        flat = members[0].grouped
         parts = _parts(members, a, gather=False, elide=elide, alone_bytes=alone_bytes)
         whole = flat and len(parts) == 1 and not (world == 1 and elide)
         results: dict[int, fx.Node] = {}
@@ -244,14 +233,14 @@ def _lower_reduces(gm: fx.GraphModule, *, elide: bool, alone_bytes: int | None) 
                 (results[0],) = outs
             else:
                 results.update((id(m), out) for m, out in zip(part, outs))
-        if flat:
+        if flat:  # the flat's gradient: the bucket's output whole, or the parts' outputs together
             marker = members[0].marker
             grad = results[0] if whole else splice(gm.graph, lambda *gs: [torch.cat([g.reshape(-1) for g in gs])],
                                                    [results[id(m)] for m in members], before=marker)[0]
             marker.replace_all_uses_with(grad)
             gm.graph.erase_node(marker)
             continue
-        for m in members:
+        for m in members:  # (one piece: its gradient in the shard's shape)
             m.marker.replace_all_uses_with(results[id(m)])
             gm.graph.erase_node(m.marker)
 

@@ -69,17 +69,18 @@ class ExpertMlp(DenseMlp):
 
 
 class NoGradScale(nn.Module):
-    """``tanh`` divided by a parameter read under ``torch.no_grad()``: that parameter gets no gradient,
-    and the block's others still do."""
+    """``tanh`` divided by a parameter read under ``torch.no_grad()``, plus one read only detached: those
+    parameters get no gradient, and the block's others still do."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.full((2 * WIDTH,), 2.0))
+        self.shift = nn.Parameter(torch.full((2 * WIDTH,), 0.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             s = self.scale.abs().max()
-        return torch.tanh(x) / s
+        return torch.tanh(x) / s + self.shift.detach()
 
 
 def _factory(k: float) -> type[nn.Module]:
@@ -119,8 +120,9 @@ PATTERNS: dict[str, tuple[Change | None, Change | None]] = {
     "hook-on-a-submodule": (lambda m: m.blocks[2].up.register_forward_hook(_hook), None),
     "negative-zero": (lambda m: setattr(m.blocks[2], "shift", -0.0), None),
     "table-keyed-by-block": (lambda m: TABLE.__setitem__(m.blocks[1], 2.0), None),
-    # a parameter read under no_grad, or never read: no gradient, as eagerly (weight decay would move it)
-    "a-parameter-read-under-no-grad": (lambda m: setattr(m.blocks[1], "act", NoGradScale()), None),
+    # parameters read under no_grad or only detached, or never read: no gradient, as eagerly (weight decay
+    # would move them)
+    "parameters-read-without-grad": (lambda m: setattr(m.blocks[1], "act", NoGradScale()), None),
     "a-parameter-never-read": (lambda m: m.blocks[2].register_parameter("spare", nn.Parameter(torch.ones(WIDTH))),
                                None),
     "later-float-attribute": (None, lambda m: setattr(m.blocks[3], "scale", 1.5)),

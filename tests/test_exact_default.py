@@ -28,7 +28,7 @@ CALLS = {
     "hook-on-a-submodule": [[3]],
     "negative-zero": [[3]],  # -0.0 is not 0.0
     "table-keyed-by-block": [[3]],
-    "a-parameter-read-under-no-grad": [[3]],
+    "parameters-read-without-grad": [[3]],
     "a-parameter-never-read": [[3]],  # block 2 has a parameter more
     # changed after the first compile: Dynamo's guards (it traced every block) recompile, and the
     # changed block gets its own code

@@ -38,12 +38,33 @@ def name_markers(gm: fx.GraphModule, *, example_inputs: Sequence[Any]) -> fx.Gra
 
 def read_params(gm: fx.GraphModule) -> frozenset[tuple[int, str]] | None:
     """The (unit, name) of every parameter a marker of ``gm``, or of a body it calls, reads as needing a
-    gradient (not under ``torch.no_grad()``): a parameter of a flat that no such marker reads gets no
-    gradient from the graph (NOTE [gradients through the parameters] in ``flat_shard.py``). ``None``
-    (every parameter read) while a marker is unnamed."""
+    gradient (not under ``torch.no_grad()``, and not only ``detach``-ed): a parameter of a flat that no
+    such marker reads gets no gradient from the graph (NOTE [gradients through the parameters] in
+    ``flat_shard.py``). ``None`` (every parameter read) while a marker is unnamed."""
     read = {(marker_args(n).unit, name) for g in (gm, *hop_bodies(gm)) for n in g.graph.nodes
-            if is_unshard(n) and needs_grad(n) for name in str(marker_args(n).names).split(NAMES_SEP)}
+            if is_unshard(n) and needs_grad(n) and not all(_only_detached(g, item) for item in n.users)
+            for name in str(marker_args(n).names).split(NAMES_SEP)}
     return None if any(unit == ANONYMOUS_UNIT for unit, _ in read) else frozenset(read)
+
+
+_DETACH = (torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default)
+
+
+def _only_detached(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether every use of ``node`` in ``gm`` is a ``detach``, or an input of a body (an outlined block's)
+    that only detaches it: no gradient flows back to it."""
+    calls: dict[fx.Node, tuple[fx.GraphModule, int]] | None = None
+    for user in node.users:
+        if (user.op == "call_method" and user.target == "detach") or (user.op == "call_function" and user.target in _DETACH):
+            continue
+        calls = calls if calls is not None else {call: (body, start) for call, body, start in hop_calls(gm)}
+        if user not in calls:
+            return False
+        body, start = calls[user]
+        placeholders = body.graph.find_nodes(op="placeholder")
+        if not all(_only_detached(body, placeholders[i - start]) for i, a in enumerate(user.args) if a is node):
+            return False
+    return True
 
 
 def _value(gm: fx.GraphModule, values: dict[fx.Node, object], node: object) -> object:

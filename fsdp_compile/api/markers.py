@@ -13,12 +13,13 @@ last ranks hold zero rows past ``n``. ``unshard`` gathers ``world * rows`` rows 
 ``reduce_grad`` pads the gradient with zero rows back to ``world * rows`` before reduce-scattering,
 so padding never reaches the user's compute, and the padded rows of a shard's grad are always zero.
 
-NOTE [eager gather, no copy]: an eager ``unshard`` returns the all-gather's output itself: a tensor of the
-full shape set over the output's storage from its start, so the padding rows lie unused past its end. It
-is not a view (autograd forbids writing in place into a view made inside a custom op, and an init writes
-into what it reads: NOTE [reading a sharded parameter]), and it is not a copy: a read costs one full
-parameter, freed when the caller's last reference dies (gloo also stages the gathered rows in a buffer
-of the same size inside the collective, and copies this rank's shard; NCCL writes into the output).
+NOTE [eager gather, no copy]: an eager ``unshard`` of one piece (a read) returns the all-gather's output
+itself: a tensor of the full shape set over the output's storage from its start, so the padding rows lie
+unused past its end. It is not a view (autograd forbids writing in place into a view made inside a
+custom op, and an init writes into what it reads: NOTE [reading a sharded parameter]), and it is not a
+copy: a read costs one full parameter, freed when the caller's last reference dies (gloo also stages the
+gathered rows in a buffer of the same size inside the collective, and copies this rank's shard; NCCL
+writes into the output). Several pieces are copied out of the gathered rows, each its own tensor.
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["NAMES_SEP", "PIECE_ARGS", "REDUCE_GRAD_ARGS", "UNSHARD_ARGS", "arg_names", "by_name", "copy_out_rows",
-           "flatten_shapes", "in_order", "numel", "pack_rows", "pack_shards", "shard_shape",
-           "unflatten_shapes"]
+           "flatten_shapes", "in_order", "numel", "pack_rows", "pack_shards", "unflatten_shapes"]
 
 NAMES_SEP = "\n"  # between the names a marker of several pieces carries (a name holding it never joins one)
 
@@ -101,13 +100,6 @@ def _define(qualname: str, args: str, returns: str) -> None:
 
 _define("fsdp::unshard", _schema(UNSHARD_ARGS), "Tensor[]")
 _define("fsdp::reduce_grad", _schema(REDUCE_GRAD_ARGS), "Tensor")
-
-
-def shard_shape(full_shape: Sequence[int], world_size: int) -> list[int]:
-    """The shape of a dim-0 shard of a parameter of ``full_shape`` (NOTE [padding] in
-    ``fsdp_compile/api/markers.py``); a 0-d parameter is stored as one row."""
-    full = list(full_shape) or [1]
-    return [-(-int(full[0]) // world_size), *full[1:]]
 
 
 # ---------------------------------------------------------------------------------------------

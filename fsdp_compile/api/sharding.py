@@ -31,7 +31,7 @@ from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks
                                     traced_property, traced_unshard)
 from fsdp_compile.api.stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
 from fsdp_compile.api.units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of, units_under
-from fsdp_compile.passes.graph_ops import flatten_shapes, shard_shape
+from fsdp_compile.passes.graph_ops import flatten_shapes
 
 __all__ = ["MixedPrecisionPolicy", "Unit", "fully_shard", "local_shard", "unit_of"]
 
@@ -389,7 +389,8 @@ def _marker_values(p: ShardedParam) -> dict[str, object]:
     unit = p.unit
     groups = unit.groups
     mp = unit.mp_policy
-    shard_ranks, shard_dims = flatten_shapes([shard_shape(p.full_shape, groups.shard_size)])
+    full = list(p.full_shape) or [1]  # (a 0-d parameter is stored as one row)
+    shard_ranks, shard_dims = flatten_shapes([[shard_rows(full[0], groups.shard_size), *full[1:]]])
     ranks, dims = flatten_shapes([p.full_shape])
     return {
         "shard_ranks": shard_ranks,

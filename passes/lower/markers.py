@@ -61,10 +61,9 @@ __all__ = ["lower_markers_pass"]
 
 @dataclass
 class _Member:
-    """One parameter of a marker: piece ``index`` of ``marker``."""
+    """One parameter of a marker: one of its pieces."""
 
     marker: fx.Node
-    index: int
     grouped: bool  # the marker reads several pieces: a flat shard, cut into them
     name: str
     shape: tuple[int, ...]  # full (gather) or the shard's (reduce)
@@ -80,14 +79,14 @@ def _members(node: fx.Node, a: dict[str, object], gather: bool) -> list[_Member]
     shards = unflatten_shapes(a["shard_ranks"], a["shard_dims"])  # type: ignore[arg-type]
     grouped = len(shards) > 1
     if not gather:
-        return [_Member(node, i, grouped, n, tuple(s), numel(s), g)
-                for i, (n, s, g) in enumerate(zip(names, shards, a["grads"]))]  # type: ignore[call-overload]
+        return [_Member(node, grouped, n, tuple(s), numel(s), g)
+                for n, s, g in zip(names, shards, a["grads"])]  # type: ignore[call-overload]
     items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
     assert len(items) == len(node.users), f"{node.name}: read other than by index"
     out, offset = [], 0
     for i, (n, s, full) in enumerate(zip(names, shards, unflatten_shapes(a["ranks"], a["dims"]))):  # type: ignore[arg-type]
         if i in items:
-            out.append(_Member(node, i, grouped, n, tuple(full), numel(s), a["shard"], offset, tuple(s), items[i]))  # type: ignore[arg-type]
+            out.append(_Member(node, grouped, n, tuple(full), numel(s), a["shard"], offset, tuple(s), items[i]))  # type: ignore[arg-type]
         offset += numel(s)
     return out
 

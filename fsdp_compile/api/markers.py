@@ -5,8 +5,9 @@ it reads a parameter; the backend groups a unit's reads into one marker of its f
 -> [full params]`` (NOTE [flat markers] in ``passes/capture/group_markers.py``). Its registered autograd
 backward is ``reduce_grad([full grads]) -> shard grad``, so the joint graph AOTAutograd builds holds one
 marker in forward and its partner in backward, each carrying, as plain op arguments, everything the
-passes need: the unit, the groups, the world size, the shapes and the dtypes. The passes in ``passes/`` replace both with functional collectives; the
-eager implementations below only run when a sharded model is *not* compiled by ``fsdp_backend``.
+passes need: the unit, the groups, the world size, the shapes and the dtypes. The passes in
+``passes/`` replace both with functional collectives; the eager implementations below only run when a
+sharded model is *not* compiled by ``fsdp_backend``.
 
 NOTE [padding]: a param of dim-0 size ``n`` is stored as ``ceil(n / world)`` rows on every rank; the
 last ranks hold zero rows past ``n``. ``unshard`` gathers ``world * rows`` rows and narrows to ``n``;

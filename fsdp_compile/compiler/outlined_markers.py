@@ -53,11 +53,10 @@ _DETACH = (torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default)
 def _only_detached(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether every use of ``node`` in ``gm`` is a ``detach``, or an input of a body (an outlined block's)
     that only detaches it: no gradient flows back to it."""
-    calls: dict[fx.Node, tuple[fx.GraphModule, int]] | None = None
+    calls = {call: (body, start) for call, body, start in hop_calls(gm)}
     for user in node.users:
         if (user.op == "call_method" and user.target == "detach") or (user.op == "call_function" and user.target in _DETACH):
             continue
-        calls = calls if calls is not None else {call: (body, start) for call, body, start in hop_calls(gm)}
         if user not in calls:
             return False
         body, start = calls[user]

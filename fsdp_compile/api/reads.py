@@ -1,12 +1,15 @@
 """How a sharded parameter is read: the marker compiled code calls, and the guard against gathering.
 
-A sharded module's parameter is a property (``sharding.py`` installs it); read while Dynamo traces it is one
-``fsdp::unshard`` marker on the shard (NOTE [traced reads]), read eagerly it gathers through parametrize.
+A sharded module's parameter is read through its class's ``__getattr__`` (``sharding.py`` installs it); read
+while Dynamo traces it is one ``fsdp::unshard`` marker on the shard (NOTE [traced reads]), read eagerly it
+gathers through parametrize.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -15,31 +18,35 @@ from fsdp_compile.api.module import reading_flats
 from fsdp_compile.api.units import FLATS, ShardedParam
 from fsdp_compile.passes.graph_ops import UNSHARD_ARGS, arg_names
 
-__all__ = ["accumulator", "eager_args", "forward_depth_hooks", "in_eager_forward", "traced_property",
-           "traced_unshard"]
+__all__ = ["accumulator", "eager_args", "forward_depth_hooks", "in_eager_forward", "lean_read", "traced_unshard"]
 
 
-def traced_unshard(p: ShardedParam, shard: Tensor | None = None) -> Tensor:
-    """The marker compiled code calls (NOTE [traced reads]), its constants from ``p.read_plan`` (NOTE [one
-    guard per read]). It reads ``shard`` when given (a stacked block's, NOTE [stacked blocks]), else the
-    parameter's piece of its unit's flat shard where it has one (NOTE [flat shards] in ``flat_shard.py``)
-    when our backend compiles the trace, else its shard. A parameter unfrozen since its flat was laid out
-    without gradients is read from its shard; only then is its ``requires_grad`` read, and guarded.
+def traced_unshard(plan: tuple, shard: Callable[[], Tensor], param: Callable[[], ShardedParam],
+                   flat: bool = True) -> Tensor:
+    """The marker compiled code calls (NOTE [traced reads]), its constants from ``plan``, a parameter's
+    ``read_plan`` (NOTE [one guard per read]); ``shard()`` is its shard and ``param()`` the parameter, looked
+    at only where they are read. It reads the parameter's piece of its unit's flat shard where it has one
+    (NOTE [flat shards] in ``flat_shard.py``) and our backend compiles the trace, else ``shard()`` (always
+    with ``flat=False``: a stacked block's, NOTE [stacked blocks]). A parameter unfrozen since its flat was
+    laid out without gradients is read from its shard; only then is its ``requires_grad`` read, and
+    guarded.
 
     NOTE [one guard per read]: every compiled call first checks the guards Dynamo made of what the trace
     read, and the first kernel waits for that check: the step's host time before the GPU has work. A read
-    takes its constants from one tuple, ``ShardedParam.read_plan`` (the flat's key, the piece's offset,
-    size and shape, the marker's arguments, whether the unit accumulates), which Dynamo guards as one
-    value, where the fields apart were a guard each. It finds the flat in ``FLATS``, one path for all of
-    a flat's members, where each member's own path to the flat made Dynamo add a Python guard that the
-    paths lead to one tensor. The plan is rebuilt whenever a field it copies changes
-    (``ShardedParam.replan``)."""
-    key, offset, numel, piece_shape, args, accumulating = p.read_plan
-    if shard is None:
-        flat = FLATS[key] if key else None
-        from_flat = flat is not None and reading_flats() and (flat.requires_grad or not p.shard.requires_grad)
-        shard = flat.narrow(0, offset, numel).view(piece_shape) if from_flat else p.shard
-    return torch.ops.fsdp.unshard(shard, *args, [p.accumulator] if accumulating else None)[0]  # NOTE [outlined units]
+    takes its constants from one tuple, the plan (the flat's key, the piece's offset, size and shape, the
+    marker's arguments, whether the unit accumulates), which Dynamo guards as one value, where the fields
+    apart were a guard each. It finds the flat in ``FLATS``, one path for all of a flat's members, where
+    each member's own path to the flat made Dynamo add a Python guard that the paths lead to one tensor.
+    The plan is rebuilt whenever a field it copies changes (``ShardedParam.replan``)."""
+    key, offset, numel, piece_shape, args, accumulating = plan
+    whole = FLATS[key] if key and flat else None
+    if whole is not None and reading_flats() and (whole.requires_grad or not shard().requires_grad):
+        piece = whole.narrow(0, offset, numel).view(piece_shape)
+    else:
+        piece = shard()
+    args = [list(a) if isinstance(a, tuple) else a for a in args]  # the op's int[] and str[] as lists
+    accumulators = [param().accumulator] if accumulating else None
+    return torch.ops.fsdp.unshard(piece, *args, accumulators)[0]  # NOTE [outlined units]
 
 
 def accumulator(p: ShardedParam) -> list[Tensor] | None:
@@ -89,26 +96,63 @@ def forward_depth_hooks(module: nn.Module) -> None:
     module.register_forward_hook(leave, always_call=True)
 
 
-def traced_property(name: str, original: property) -> property:
-    """NOTE [traced reads]: a sharded parameter's property as parametrize made it, except while Dynamo
-    traces: then it calls the marker on the shard straight away. Through parametrize, each read is two
-    module calls (the parametrization list, then ``Unshard``) that Dynamo traces with their hook checks,
-    about as much work as the rest of a block's tracing, and as many guards; this reads the same shard and
-    makes the same marker call.
+def lean_read(cls: type, name: str) -> None:
+    """NOTE [traced reads]: ``module.<name>``, a sharded parameter of a module of class ``cls`` (parametrize's
+    class for that module alone), read while Dynamo traces, calls the marker on the shard straight away;
+    read eagerly, it is parametrize's property. Through parametrize, each read is two module calls (the
+    parametrization list, then ``Unshard``) that Dynamo traces with their hook checks, about as much work as
+    the rest of a block's tracing, and as many guards; this reads the same shard and makes the same marker
+    call.
 
-    The shard is reached through the module's own ``_fsdp_reads`` dict (name -> ShardedParam), not
-    through parametrize's modules, whose lookups are most of what sharding adds to an inline trace
-    (docs/compile-time.md). A parameter
-    given parametrizations of its own besides ``Unshard`` leaves that dict (``_Chain``), so the trace
-    guarding on it compiles again, through parametrize's path, which applies them all."""
-    through_parametrize = original.fget
-    assert through_parametrize is not None
+    NOTE [tag-safe reads]: the read is no property on the class. Parametrize's property moves to
+    ``cls._fsdp_props``, and ``cls`` gets a ``__getattr__`` (Python calls it once the attribute is found
+    nowhere else) and a ``__setattr__`` that hands an assigned tensor to the property's setter, as the
+    property did. The trace then reads the plan from the module's own ``_fsdp_reads`` dict (name -> the
+    parameter's ``read_plan``, a tuple of constants; ``None`` off the lean read). Dynamo guards a property
+    by its getter's code and closure, per parameter, and torch 2.11 evaluates the guards of a module
+    subtree holding one every call; a dict of constant tuples is what its recursive dict-tag check skips
+    whole while the module's dict is unchanged, as it skips plain ``nn.Linear``'s parameters. That skip
+    also skips a tensor's guards, and changing ``requires_grad`` changes no dict: on torch 2.11 plain
+    ``torch.compile`` then runs a graph compiled for the old value (a parameter unfrozen gets no
+    gradient). So a read of the shard itself (a unit without a flat, a frozen flat) reaches it through
+    its ``ShardedParam``, an object the skip never covers: its guards, ``requires_grad`` among them, are
+    checked every call. Only flat reads, whose flat is a global checked every call, are skipped. A parameter
+    given parametrizations of its own besides ``Unshard`` leaves the lean read (``_Chain`` sets its plan to
+    ``None``), so the trace guarding on it compiles again, through parametrize's path, which applies them
+    all."""
+    props = cls.__dict__.get("_fsdp_props")
+    if props is None:
+        props = dict(getattr(cls, "_fsdp_props", {}))  # a base's names too
+        cls._fsdp_props = props  # type: ignore[attr-defined]
+        cls.__getattr__ = _read_attr  # type: ignore[attr-defined]
+        cls.__setattr__ = _write_attr  # type: ignore[method-assign]
+    props[name] = cls.__dict__[name]
+    delattr(cls, name)
 
-    def get(self: nn.Module) -> Tensor:
-        if torch.compiler.is_compiling():
-            sp = self._fsdp_reads.get(name)
-            if sp is not None:
-                return traced_unshard(sp)
-        return through_parametrize(self)  # eager, or compiled off the lean read (Unshard's marker last)
 
-    return property(get, original.fset, original.fdel, original.__doc__)
+def _read_attr(self: nn.Module, name: str) -> object:
+    # Through the module's attributes (self._fsdp_reads, self._parameters), not self.__dict__[...] as
+    # nn.Module.__getattr__ may: that is the one way Dynamo reaches them that keeps the module a subtree
+    # its guards may skip.
+    reads = getattr(self, "_fsdp_reads", None) if name != "_fsdp_reads" else None
+    if reads is None:
+        return nn.Module.__getattr__(self, name)
+    if name not in reads:
+        for kind in (self._parameters, self._buffers, self._modules):
+            if name in kind:
+                return kind[name]
+        return nn.Module.__getattr__(self, name)  # its error
+    plan = reads[name]
+    if plan is not None and torch.compiler.is_compiling():
+        param: Any = lambda: self._modules["parametrizations"]._modules[name]._modules["0"].param  # noqa: E731
+        return traced_unshard(plan, lambda: param().shard, param)  # via the ShardedParam: NOTE [tag-safe reads]
+    return type(self)._fsdp_props[name].fget(self)  # type: ignore[attr-defined]
+
+
+def _write_attr(self: nn.Module, name: str, value: object) -> None:
+    prop = type(self)._fsdp_props.get(name)  # type: ignore[attr-defined]
+    if prop is not None and not isinstance(value, (nn.Parameter, nn.Module, nn.Buffer)):
+        prop.fset(self, value)  # parametrize's setter: each parametrization's right_inverse
+    else:
+        nn.Module.__setattr__(self, name, value)
+

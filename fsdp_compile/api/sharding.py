@@ -27,8 +27,8 @@ from fsdp_compile.api.groups import FsdpGroups
 from fsdp_compile.api.materialize import check_built_alike, hand_out_global_grads, local_sums, register_grad_hook
 from fsdp_compile.api.module import FsdpModule, forward_of, mix_in
 from fsdp_compile.api.markers import ANONYMOUS_UNIT, read_outside_forward, shard_rows
-from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks, in_eager_forward, read_args,
-                                    traced_property, traced_unshard)
+from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks, in_eager_forward, lean_read,
+                                    read_args, traced_unshard)
 from fsdp_compile.api.stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
 from fsdp_compile.api.units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of, units_under
 from fsdp_compile.passes.graph_ops import flatten_shapes
@@ -45,7 +45,8 @@ class Unshard(nn.Module):
 
     def forward(self, shard: Tensor) -> Tensor:
         if torch.compiler.is_compiling():  # a stack's block reads the shard its stacked body hands in
-            return traced_unshard(self.param, shard if self.param.unit.stacked else None)
+            p = self.param
+            return traced_unshard(p.read_plan, lambda: shard, lambda: p, flat=not p.unit.stacked)
         p = self.param
         with contextlib.nullcontext() if in_eager_forward() else read_outside_forward():  # NOTE [the slow-path warning]
             (full,) = torch.ops.fsdp.unshard(shard, *eager_args(p), accumulator(p))
@@ -68,7 +69,7 @@ class _Chain(parametrize.ParametrizationList):
     def _fsdp_leave_lean_read(self) -> None:
         # The owner's own dict, shared (not a reference to the owner: a deepcopy or pickle of the model
         # keeps the two together).
-        self.__dict__["_fsdp_reads"].pop(self.__dict__["_fsdp_name"], None)
+        self.__dict__["_fsdp_reads"][self.__dict__["_fsdp_name"]] = None
 
     def append(self, module: nn.Module) -> _Chain:
         self._fsdp_leave_lean_read()
@@ -101,8 +102,7 @@ def _lean_read(owner: nn.Module, name: str, sp: ShardedParam | None) -> None:
         chain.__class__ = _Chain
     reads = owner.__dict__.setdefault("_fsdp_reads", {})
     chain.__dict__["_fsdp_reads"], chain.__dict__["_fsdp_name"] = reads, name
-    if len(chain._modules) == 1 and sp is not None:
-        reads[name] = sp
+    reads[name] = sp.read_plan if len(chain._modules) == 1 and sp is not None else None  # kept by replan
 
 
 
@@ -245,8 +245,7 @@ def fully_shard(
         pname = fqn.rsplit(".", 1)[-1]
         with torch.no_grad():
             parametrize.register_parametrization(owner, pname, Unshard(sp), unsafe=True)
-        cls = type(owner)  # parametrize's class for this module alone, holding one property per name
-        setattr(cls, pname, traced_property(pname, cls.__dict__[pname]))
+        lean_read(type(owner), pname)  # parametrize's class for this module alone
         _lean_read(owner, pname, sp if stack is None else None)  # a stack's body reads through parametrize
         sp.owners.append((weakref.ref(owner), pname))  # NOTE [converted parameters]
         if _params.get(p) is None:

@@ -107,10 +107,17 @@ class ShardedParam:
     owners: list[tuple[weakref.ref[nn.Module], str]] = field(default_factory=list)
 
     def replan(self) -> None:
-        """Recompute :attr:`read_plan` from the fields it copies (after any of them changes)."""
+        """Recompute :attr:`read_plan` from the fields it copies (after any of them changes), and hand it to
+        every owner that reads it on the lean read (NOTE [tag-safe reads] in ``reads.py``: constants only,
+        lists as tuples)."""
         key = self.flat._fsdp_layout.key if self.flat is not None else ""  # (in FLATS; "": no flat)
-        self.read_plan = (key, self.offset, math.prod(self.piece_shape), self.piece_shape,
-                          self.traced_args, self.unit.accumulating)
+        args = tuple(tuple(a) if isinstance(a, list) else a for a in self.traced_args)
+        self.read_plan = (key, self.offset, math.prod(self.piece_shape), self.piece_shape, args,
+                          self.unit.accumulating)
+        for ref, name in self.owners:
+            reads = getattr(ref(), "__dict__", {}).get("_fsdp_reads")
+            if reads is not None and reads.get(name) is not None:
+                reads[name] = self.read_plan
 
     @property
     def fqn(self) -> str:

@@ -18,7 +18,7 @@ from fsdp_compile.api.module import reading_flats
 from fsdp_compile.api.units import FLATS, ShardedParam
 from fsdp_compile.passes.graph_ops import UNSHARD_ARGS, arg_names
 
-__all__ = ["accumulator", "eager_args", "forward_depth_hooks", "in_eager_forward", "lean_read", "traced_unshard"]
+__all__ = ["accumulator", "eager_args", "forward_depth_hooks", "in_eager_forward", "install_read", "traced_unshard"]
 
 
 def traced_unshard(plan: tuple, shard: Callable[[], Tensor], param: Callable[[], ShardedParam],
@@ -96,7 +96,7 @@ def forward_depth_hooks(module: nn.Module) -> None:
     module.register_forward_hook(leave, always_call=True)
 
 
-def lean_read(cls: type, name: str) -> None:
+def install_read(cls: type, name: str) -> None:
     """NOTE [traced reads]: ``module.<name>``, a sharded parameter of a module of class ``cls`` (parametrize's
     class for that module alone), read while Dynamo traces, calls the marker on the shard straight away;
     read eagerly, it is parametrize's property. Through parametrize, each read is two module calls (the

@@ -27,8 +27,8 @@ from fsdp_compile.api.groups import FsdpGroups
 from fsdp_compile.api.materialize import check_built_alike, hand_out_global_grads, local_sums, register_grad_hook
 from fsdp_compile.api.module import FsdpModule, forward_of, mix_in
 from fsdp_compile.api.markers import ANONYMOUS_UNIT, read_outside_forward, shard_rows
-from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks, in_eager_forward, lean_read,
-                                    read_args, traced_unshard)
+from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks, in_eager_forward,
+                                    install_read, read_args, traced_unshard)
 from fsdp_compile.api.stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
 from fsdp_compile.api.units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of, units_under
 from fsdp_compile.passes.graph_ops import flatten_shapes
@@ -44,10 +44,9 @@ class Unshard(nn.Module):
         self.param = param
 
     def forward(self, shard: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():  # a stack's block reads the shard its stacked body hands in
-            p = self.param
-            return traced_unshard(p.read_plan, lambda: shard, lambda: p, flat=not p.unit.stacked)
         p = self.param
+        if torch.compiler.is_compiling():  # a stack's block reads the shard its stacked body hands in
+            return traced_unshard(p.read_plan, lambda: shard, lambda: p, flat=not p.unit.stacked)
         with contextlib.nullcontext() if in_eager_forward() else read_outside_forward():  # NOTE [the slow-path warning]
             (full,) = torch.ops.fsdp.unshard(shard, *eager_args(p), accumulator(p))
         return gathered(full, p)  # NOTE [reading a sharded parameter]
@@ -97,6 +96,7 @@ class _Chain(parametrize.ParametrizationList):
 def _lean_read(owner: nn.Module, name: str, sp: ShardedParam | None) -> None:
     """Put ``owner.<name>`` on the lean traced read (NOTE [traced reads]); ``None``: leave it on
     parametrize's path (a stack's block, whose compiled body replaces the shard it reads)."""
+    install_read(type(owner), name)  # parametrize's class for this module alone
     chain = owner._modules["parametrizations"]._modules[name]  # type: ignore[index]
     if type(chain) is parametrize.ParametrizationList:
         chain.__class__ = _Chain
@@ -245,7 +245,6 @@ def fully_shard(
         pname = fqn.rsplit(".", 1)[-1]
         with torch.no_grad():
             parametrize.register_parametrization(owner, pname, Unshard(sp), unsafe=True)
-        lean_read(type(owner), pname)  # parametrize's class for this module alone
         _lean_read(owner, pname, sp if stack is None else None)  # a stack's body reads through parametrize
         sp.owners.append((weakref.ref(owner), pname))  # NOTE [converted parameters]
         if _params.get(p) is None:

@@ -115,8 +115,9 @@ class ShardedParam:
         self.read_plan = (key, self.offset, math.prod(self.piece_shape), self.piece_shape, args,
                           self.unit.accumulating)
         for ref, name in self.owners:
-            reads = getattr(ref(), "__dict__", {}).get("_fsdp_reads")
-            if reads is not None and reads.get(name) is not None:
+            owner = ref()
+            reads = owner.__dict__.get("_fsdp_reads") if owner is not None else None
+            if reads is not None and reads.get(name) is not None:  # None: off the lean read
                 reads[name] = self.read_plan
 
     @property

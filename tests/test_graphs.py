@@ -14,6 +14,7 @@ from torch.nn.utils import parametrize
 
 from fsdp_compile import FsdpGroups, make_backend
 from fsdp_compile.api.markers import ANONYMOUS_UNIT
+from fsdp_compile.api.units import FLATS
 from fsdp_compile.compiler.outlined_markers import name_markers
 from fsdp_compile.compiler.pipeline import PASS_NAMES, STAGES, BackendOptions
 from fsdp_compile.examples.models import Transformer
@@ -127,11 +128,15 @@ def test_the_guards_skip_a_module_reading_flats_whole_and_check_one_reading_shar
     """(NOTE [tag-safe reads]) With Dynamo's recursive dict tags on (torch 2.11's default), a module that reads
     its parameters from its unit's flat shard is a subtree the guards may skip while its dict is unchanged,
     as each ``nn.Linear`` of the unsharded model is (a read through a property on the class, or through a
-    ``ShardedParam`` attribute, made every block one evaluated on every call). A module reading its shard
-    itself (the root's: a unit holding others has no flat) is not: the shard's guards, ``requires_grad``
-    among them, must be checked every call, and that skip would skip them."""
+    ``ShardedParam`` attribute, made every block one evaluated on every call): every block, and the root's
+    modules, whose parameters are flats of their own. A module reading its shard itself (here the final
+    norm's, frozen before sharding: its flat requires no gradient, so the read looks at the shard's) is
+    not: the shard's guards, ``requires_grad`` among them, must be checked every call (an unfrozen shard
+    compiles again), and that skip would skip them."""
     torch._dynamo.reset()  # the model's forward code then has this compile's cache entry only
-    model = shard_blocks_then_root(Transformer(SMALL), groups)
+    plain = Transformer(SMALL)
+    plain.norm.weight.requires_grad_(False)
+    model = shard_blocks_then_root(plain, groups)
     with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True):
         capture(model, _tokens())
     (entry,) = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(type(model).forward.__code__)
@@ -141,9 +146,9 @@ def test_the_guards_skip_a_module_reading_flats_whole_and_check_one_reading_shar
             tag_safe[line.split("source=", 1)[1].split(", ")[0]] = "tag_safe=(True" in line
     owners = {name: m for name, m in model.named_modules() if parametrize.is_parametrized(m)}
     assert len(owners) == sum(1 for m in Transformer(SMALL).modules() if next(m.parameters(False), None) is not None)
-    reads_flats = {name: all(plan[0] for plan in m._fsdp_reads.values()) for name, m in owners.items()}
-    assert sorted(name for name, flat in reads_flats.items() if not flat) == ["norm", "output", "tok_embeddings"]
-    for name, flat in reads_flats.items():
+    trained = {name: all(FLATS[plan[0]].requires_grad for plan in m._fsdp_reads.values()) for name, m in owners.items()}
+    assert [name for name, flat in trained.items() if not flat] == ["norm"]
+    for name, flat in trained.items():
         source = "L['self']" + "".join(f"._modules['{part}']" for part in name.split("."))
-        assert tag_safe[source] == flat, f"{name}: skipped whole {tag_safe[source]}, reads a flat {flat}"
+        assert tag_safe[source] == flat, f"{name}: skipped whole {tag_safe[source]}, reads a trained flat {flat}"
     assert all(tag_safe[f"L['self']._modules['layers']._modules['{i}']"] for i in range(SMALL.n_layers))

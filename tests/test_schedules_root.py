@@ -65,23 +65,25 @@ class RootAtBothEndsTest(FakeWorldTestCase):
 14 compute         mm sum  (6 nodes)
 15 wait            unit 2  rs     reduce_scatter
 16 unpack          unit 2  rs
-17 pack            unit 1  rs
-18 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-19 compute         le where  (2 nodes)
-20 wait            unit 0  ag     all_gather
-21 unpack          unit 0  ag
-22 compute         mm sum  (6 nodes)
-23 wait            unit 1  rs     reduce_scatter
-24 unpack          unit 1  rs
-25 pack            unit 0  rs
-26 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-27 compute         ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (10 nodes)
-28 wait            unit 0  rs     reduce_scatter
-29 unpack          unit 0  rs
-30 pack            unit 2  rs
-31 reduce_scatter  unit 2  rs     reduce_scatter  512 B
-32 wait            unit 2  rs     reduce_scatter
-33 unpack          unit 2  rs""")
+17 compute           (1 nodes)
+18 pack            unit 1  rs
+19 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+20 compute         le where  (2 nodes)
+21 wait            unit 0  ag     all_gather
+22 unpack          unit 0  ag
+23 compute         mm sum  (6 nodes)
+24 wait            unit 1  rs     reduce_scatter
+25 unpack          unit 1  rs
+26 pack            unit 0  rs
+27 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+28 compute         ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (10 nodes)
+29 wait            unit 0  rs     reduce_scatter
+30 unpack          unit 0  rs
+31 pack            unit 2  rs
+32 reduce_scatter  unit 2  rs     reduce_scatter  512 B
+33 wait            unit 2  rs     reduce_scatter
+34 unpack          unit 2  rs
+35 compute           (1 nodes)""")
 
 
 class EmbeddingNormAndHead(EmbeddingAndHead):
@@ -131,20 +133,22 @@ class RootWithNormTest(FakeWorldTestCase):
 20 unpack          unit 2  rs
 21 unpack          unit 2  rs
 22 unpack          unit 2  rs
-23 pack            unit 1  rs
-24 reduce_scatter  unit 1  rs     reduce_scatter  288 B
-25 compute         le where  (2 nodes)
-26 wait            unit 0  ag     all_gather
-27 unpack          unit 0  ag
-28 compute         mm sum  (6 nodes)
-29 wait            unit 1  rs     reduce_scatter
-30 unpack          unit 1  rs
-31 pack            unit 0  rs
-32 reduce_scatter  unit 0  rs     reduce_scatter  288 B
-33 compute         ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (10 nodes)
-34 wait            unit 0  rs     reduce_scatter
-35 unpack          unit 0  rs
-36 pack            unit 2  rs
-37 reduce_scatter  unit 2  rs     reduce_scatter  512 B
-38 wait            unit 2  rs     reduce_scatter
-39 unpack          unit 2  rs""")
+23 compute           (1 nodes)
+24 pack            unit 1  rs
+25 reduce_scatter  unit 1  rs     reduce_scatter  288 B
+26 compute         le where  (2 nodes)
+27 wait            unit 0  ag     all_gather
+28 unpack          unit 0  ag
+29 compute         mm sum  (6 nodes)
+30 wait            unit 1  rs     reduce_scatter
+31 unpack          unit 1  rs
+32 pack            unit 0  rs
+33 reduce_scatter  unit 0  rs     reduce_scatter  288 B
+34 compute         ge lt bitwise_and ne _unsafe_masked_index_put_accumulate  (10 nodes)
+35 wait            unit 0  rs     reduce_scatter
+36 unpack          unit 0  rs
+37 pack            unit 2  rs
+38 reduce_scatter  unit 2  rs     reduce_scatter  512 B
+39 wait            unit 2  rs     reduce_scatter
+40 unpack          unit 2  rs
+41 compute           (1 nodes)""")

@@ -28,18 +28,20 @@ replacement of a parameter's data (``p.data = t``) is found before the next comp
 (:func:`flat_inputs`): data of the same shape, dtype and device is copied into the flat and the
 parameter made its view again; anything else raises, naming the fix.
 
-A unit is laid out flat when it is no stacked block (``stack.py`` reads shards its own way) and it holds
-no other unit: one flat per dtype, device and ``requires_grad`` of its parameters (fp32 norms beside bf16
-matrices make two flats, and two collectives each way, as per-parameter buckets of one dtype would; a
-parameter alone in its kind is a flat of its own). Parameters frozen when ``fully_shard`` runs (the base
+A unit is laid out flat when it is no stacked block (``stack.py`` reads shards its own way): one flat per
+dtype, device and ``requires_grad`` of its parameters (fp32 norms beside bf16 matrices make two flats,
+and two collectives each way, as per-parameter buckets of one dtype would; a parameter alone in its kind
+is a flat of its own). Parameters frozen when ``fully_shard`` runs (the base
 weights beside trainable adapters) get a flat that requires no gradient: gathered in one copy, never
 reduced (beside the unit's trained flat: two all-gathers where one bucket of its shards would be one).
 One of them unfrozen later is read from its own shard (the trace guards its ``requires_grad``, so the
 graph is compiled again), which gives it its gradient. A unit that holds others (the root: embedding,
 final norm, output head) reads its parameters around theirs, so their gradients exist at the two ends of
-backward; kept apart, each stretch is reduce-scattered as soon as it exists (NOTE [gradients in
-stretches] in ``passes/lower/markers.py``), where one flat gradient would hold the output head's bucket
-until the embedding's gradient. A parameter frozen later is still read from the flat (its gradient
+backward: each of its parameters is a flat of its own, so that each stretch is reduce-scattered as soon as
+it exists (NOTE [gradients in stretches] in ``passes/lower/markers.py``), where one flat gradient would
+hold the output head's bucket until the embedding's gradient. Its reads are then flat reads as every
+block's are: one kind of graph input, and modules Dynamo's guards may skip (NOTE [tag-safe reads] in
+``reads.py``). A parameter frozen later is still read from the flat (its gradient
 computed and reduced, and dropped: freeze before ``fully_shard`` to save that work).
 """
 
@@ -87,9 +89,8 @@ def flat_member(flat: object, offset: int) -> ShardedParam | None:
 
 
 def _eligible(unit: Unit) -> bool:
-    """Whether ``unit`` may be laid out flat: no stacked block, no meta tensor, no unit inside it."""
-    return (not unit.stacked and all(sp.shard.device.type != "meta" for sp in unit.params)
-            and all(u is unit for u in units_under(unit.module)))
+    """Whether ``unit`` may be laid out flat: no stacked block, no meta tensor."""
+    return not unit.stacked and all(sp.shard.device.type != "meta" for sp in unit.params)
 
 
 def flatten_unit(unit: Unit) -> None:
@@ -103,10 +104,11 @@ def flatten_unit(unit: Unit) -> None:
     unit.flats = []
     if not _eligible(unit):
         return
-    kinds: dict[tuple[torch.dtype, torch.device, bool], list[ShardedParam]] = {}
-    for sp in unit.params:
-        kinds.setdefault((sp.shard.dtype, sp.shard.device, sp.shard.requires_grad), []).append(sp)
-    for (dtype, device, trained), members in kinds.items():
+    alone = any(u is not unit for u in units_under(unit.module))  # a flat per parameter
+    kinds: dict[tuple[object, ...], list[ShardedParam]] = {}
+    for k, sp in enumerate(unit.params):
+        kinds.setdefault((sp.shard.dtype, sp.shard.device, sp.shard.requires_grad, alone and k), []).append(sp)
+    for (dtype, device, trained, _), members in kinds.items():
         flat = torch.empty(sum(sp.shard.numel() for sp in members), dtype=dtype, device=device)
         offset = 0
         with torch.no_grad():

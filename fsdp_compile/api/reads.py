@@ -114,7 +114,7 @@ def install_read(cls: type, name: str) -> None:
     whole while the module's dict is unchanged, as it skips plain ``nn.Linear``'s parameters. That skip
     also skips a tensor's guards, and changing ``requires_grad`` changes no dict: on torch 2.11 plain
     ``torch.compile`` then runs a graph compiled for the old value (a parameter unfrozen gets no
-    gradient). So a read of the shard itself (a unit without a flat, a frozen flat) reaches it through
+    gradient). So a read of the shard itself (a stacked block's, a frozen flat's) reaches it through
     its ``ShardedParam``, an object the skip never covers: its guards, ``requires_grad`` among them, are
     checked every call. Only flat reads, whose flat is a global checked every call, are skipped. A parameter
     given parametrizations of its own besides ``Unshard`` leaves the lean read (``_Chain`` sets its plan to

@@ -32,7 +32,7 @@ forward starts, cleared when it ends) is a side effect, and Dynamo refuses side 
 higher-order op's body. An activation-checkpointed block, say, would then fall out of the graph and run
 uncompiled. So a traced read is one piece, and this pass groups them.
 
-A parameter not in a flat (a ``BlockStack``'s, a unit's that holds others, one unfrozen since its flat was
+A parameter not in a flat (a ``BlockStack``'s, one unfrozen since its flat was
 laid out: ``flatten_unit`` in ``fsdp_compile/api/flat_shard.py``) keeps its marker of one piece: the same
 buckets in the end, more ops to trace. So does a flat read other than once per piece (a block called
 twice inline), whose gradient AOTAutograd then sums from its pieces'.

@@ -37,8 +37,9 @@ each stretch is a bucket of its own, launched as soon as that stretch exists
 needs an all-gather that the members before it do not: the head's weight gradient needs only the loss's
 gradient and the saved input, the final norm's needs the head's gathered weight, and in one bucket the
 head's reduce-scatter would wait for that gather at the start of backward, while the reduce-scatter
-link has nothing else to do. A flat marker's gradient is one tensor, never split; ``fully_shard`` lays
-out no flat for a unit that holds others (``flat_shard.py``).
+link has nothing else to do. A flat marker's gradient is one tensor, never split, so ``fully_shard`` gives
+each parameter of a unit that holds others a flat of its own (``flat_shard.py``): its markers have one
+piece each.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class CapScheduleTest(ScheduleCase):
 7  all_gather      unit 1  ag     all_gather      32 B
 8  wait            unit 0  ag     all_gather
 9  unpack          unit 0  ag
-10 compute           (1 nodes)
+10 compute         permute  (1 nodes)
 11 wait            unit 0  ag     all_gather
 12 unpack          unit 0  ag
 13 compute         addmm relu  (2 nodes)
@@ -67,13 +67,13 @@ class CapScheduleTest(ScheduleCase):
 17 all_gather      unit 2  ag     all_gather      32 B
 18 wait            unit 1  ag     all_gather
 19 unpack          unit 1  ag
-20 compute           (1 nodes)
+20 compute         permute  (1 nodes)
 21 wait            unit 1  ag     all_gather
 22 unpack          unit 1  ag
 23 compute         addmm relu  (2 nodes)
 24 wait            unit 2  ag     all_gather
 25 unpack          unit 2  ag
-26 compute           (1 nodes)
+26 compute         permute  (1 nodes)
 27 wait            unit 2  ag     all_gather
 28 unpack          unit 2  ag
 29 compute         addmm relu le  (3 nodes)""")
@@ -99,9 +99,9 @@ class CapScheduleTest(ScheduleCase):
 18 wait            unit 2  rs     reduce_scatter
 19 unpack          unit 2  rs
 20 unpack          unit 2  rs
-21 compute           (1 nodes)
+21 compute         view  (1 nodes)
 22 unpack          unit 2  rs
-23 compute           (2 nodes)
+23 compute         view cat  (2 nodes)
 24 pack            unit 1  rs
 25 reduce_scatter  unit 1  rs     reduce_scatter  256 B
 26 compute         sum  (1 nodes)
@@ -112,9 +112,9 @@ class CapScheduleTest(ScheduleCase):
 31 wait            unit 1  rs     reduce_scatter
 32 unpack          unit 1  rs
 33 unpack          unit 1  rs
-34 compute           (1 nodes)
+34 compute         view  (1 nodes)
 35 unpack          unit 1  rs
-36 compute           (2 nodes)
+36 compute         view cat  (2 nodes)
 37 pack            unit 0  rs
 38 reduce_scatter  unit 0  rs     reduce_scatter  256 B
 39 compute         sum  (1 nodes)
@@ -123,9 +123,9 @@ class CapScheduleTest(ScheduleCase):
 42 wait            unit 0  rs     reduce_scatter
 43 wait            unit 0  rs     reduce_scatter
 44 unpack          unit 0  rs
-45 compute           (1 nodes)
+45 compute         view  (1 nodes)
 46 unpack          unit 0  rs
-47 compute           (2 nodes)""")
+47 compute         view cat  (2 nodes)""")
 
     def test_small_prefetch_cap(self) -> None:
         fwd, bwd = self.schedule(prefetch=2, prefetch_bytes=600)

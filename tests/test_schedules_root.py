@@ -65,7 +65,7 @@ class RootAtBothEndsTest(FakeWorldTestCase):
 14 compute         mm sum  (6 nodes)
 15 wait            unit 2  rs     reduce_scatter
 16 unpack          unit 2  rs
-17 compute           (1 nodes)
+17 compute         view  (1 nodes)
 18 pack            unit 1  rs
 19 reduce_scatter  unit 1  rs     reduce_scatter  288 B
 20 compute         le where  (2 nodes)
@@ -83,7 +83,7 @@ class RootAtBothEndsTest(FakeWorldTestCase):
 32 reduce_scatter  unit 2  rs     reduce_scatter  512 B
 33 wait            unit 2  rs     reduce_scatter
 34 unpack          unit 2  rs
-35 compute           (1 nodes)""")
+35 compute         view  (1 nodes)""")
 
 
 class EmbeddingNormAndHead(EmbeddingAndHead):
@@ -133,7 +133,7 @@ class RootWithNormTest(FakeWorldTestCase):
 20 unpack          unit 2  rs
 21 unpack          unit 2  rs
 22 unpack          unit 2  rs
-23 compute           (1 nodes)
+23 compute         view  (1 nodes)
 24 pack            unit 1  rs
 25 reduce_scatter  unit 1  rs     reduce_scatter  288 B
 26 compute         le where  (2 nodes)
@@ -151,4 +151,4 @@ class RootWithNormTest(FakeWorldTestCase):
 38 reduce_scatter  unit 2  rs     reduce_scatter  512 B
 39 wait            unit 2  rs     reduce_scatter
 40 unpack          unit 2  rs
-41 compute           (1 nodes)""")
+41 compute         view  (1 nodes)""")

@@ -364,7 +364,7 @@ class StackSchedule(FakeWorldTestCase):
 27 reduce_scatter  unit 3  rs     reduce_scatter  288 B
 28 wait            unit 3  rs     reduce_scatter
 29 unpack          unit 3  rs
-30 compute           (1 nodes)""")
+30 compute         view  (1 nodes)""")
 
     def test_without_outlining_the_stack_is_the_whole_graph(self) -> None:
         """``make_backend(outline=False)``: the blocks run one by one, inline, as in an nn.ModuleList."""

@@ -48,12 +48,8 @@ class Row:
     def detail(self) -> str:
         if self.op != "compute":
             return ""
-        names = []
-        for n in self.nodes:
-            name = _label(n)
-            if name not in _QUIET and name not in names:
-                names.append(name)
-        return " ".join(names)
+        names = list(dict.fromkeys(map(_label, self.nodes)))
+        return " ".join([name for name in names if name not in _QUIET] or names)  # a run of views: named
 
 
 def _label(node: fx.Node) -> str:

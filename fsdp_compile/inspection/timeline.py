@@ -188,7 +188,7 @@ def _describe(r: Row, max_len: int = 40) -> str:
     nodes = r.nodes
     if r.op not in ("compute", "pack", "unpack"):
         return nodes[0].name
-    what = (r.detail if r.op == "compute" else r.op) or "views"
+    what = r.detail if r.op == "compute" else r.op
     if len(what) > max_len:
         what = what[: max_len - 3] + "..."
     return f"{what} ({len(nodes)} node{'s' if len(nodes) > 1 else ''})"

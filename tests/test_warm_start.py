@@ -42,6 +42,7 @@ _groups: list[FsdpGroups] = []
 def _train_step(**backend_kw: Any) -> dict[str, int]:
     """Compile a freshly sharded SMALL model and run one step; AOTAutograd's cache counters of it."""
     torch._dynamo.reset()
+    gc.collect()  # models left by earlier steps or tests, as in a new process: their flats' keys free
     counters["aot_autograd"].clear()
     torch.manual_seed(0)
     model = shard_blocks_then_root(Transformer(SMALL), _groups[-1])

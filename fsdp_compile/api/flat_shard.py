@@ -31,9 +31,9 @@ parameter made its view again; anything else raises, naming the fix.
 A unit is laid out flat when it is no stacked block (``stack.py`` reads shards its own way): one flat per
 dtype, device and ``requires_grad`` of its parameters (fp32 norms beside bf16 matrices make two flats,
 and two collectives each way, as per-parameter buckets of one dtype would; a parameter alone in its kind
-is a flat of its own). Parameters frozen when ``fully_shard`` runs (the base
-weights beside trainable adapters) get a flat that requires no gradient: gathered in one copy, never
-reduced (beside the unit's trained flat: two all-gathers where one bucket of its shards would be one).
+is a flat of its own). Parameters frozen when ``fully_shard`` runs (the base weights beside trainable
+adapters) get a flat that requires no gradient: gathered in one copy, never reduced (beside the unit's
+trained flat: two all-gathers where one bucket of its shards would be one).
 One of them unfrozen later is read from its own shard (the trace guards its ``requires_grad``, so the
 graph is compiled again), which gives it its gradient. A unit that holds others (the root: embedding,
 final norm, output head) reads its parameters around theirs, so their gradients exist at the two ends of
@@ -107,7 +107,7 @@ def flatten_unit(unit: Unit) -> None:
     alone = any(u is not unit for u in units_under(unit.module))  # a flat per parameter
     kinds: dict[tuple[object, ...], list[ShardedParam]] = {}
     for k, sp in enumerate(unit.params):
-        kinds.setdefault((sp.shard.dtype, sp.shard.device, sp.shard.requires_grad, alone and k), []).append(sp)
+        kinds.setdefault((sp.shard.dtype, sp.shard.device, sp.shard.requires_grad, k if alone else None), []).append(sp)
     for (dtype, device, trained, _), members in kinds.items():
         flat = torch.empty(sum(sp.shard.numel() for sp in members), dtype=dtype, device=device)
         offset = 0

@@ -81,13 +81,10 @@ def _sharded(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
 def test_a_unit_s_parameters_are_views_of_its_flat_shard() -> None:
     with fake_process_group(2):
         model, _ = _sharded()
-        # the root holds the blocks' units: its embedding's and head's gradients exist at the two ends of
-        # backward, reduced apart (NOTE [gradients in stretches] in passes/lower/markers.py), so each of its
-        # parameters is a flat of its own
+        # the root holds others: a flat per parameter (NOTE [gradients in stretches] in passes/lower/markers.py)
         root = unit_of(model)
-        assert root is not None and len(root.flats) == len(root.params) == 3
-        for sp, flat in zip(root.params, root.flats):
-            assert sp.flat is flat and sp.offset == 0 and flat.numel() == sp.shard.numel()
+        assert root is not None and len(root.flats) == 3 and all(
+            sp.flat is f and sp.offset == 0 and f.numel() == sp.shard.numel() for sp, f in zip(root.params, root.flats))
         for module in model.layers:
             unit = unit_of(module)
             assert unit is not None and len(unit.flats) == 1
@@ -134,12 +131,11 @@ def test_dynamo_takes_one_input_per_unit_and_backward_returns_each_flat_gradient
     for gm in graphs.values():
         assert not any(is_unshard(n) or is_reduce_grad(n) for n in gm.graph.nodes)  # all lowered
     bw = graphs["backward"]
-    # each flat's gradient is its reduce-scatter bucket's output, averaged: nothing scattered into zeros
+    # a block flat's gradient is its bucket's output, averaged (nothing scattered into zeros); a root flat's, a view
     assert not bw.graph.find_nodes(op="call_function", target=torch.ops.aten.slice_scatter.default)
     outputs = bw.graph.find_nodes(op="output")[0].args[0]
     grads = [o for o in outputs if isinstance(o, fx.Node)]
     flats = [g for g in grads if g.meta["val"].dim() == 1 and g.meta["val"].numel() > CFG.dim]
-    # a block's flat gradient is its bucket's output; the root's one-parameter flats' are views of theirs
     assert sorted(str(g.target) for g in flats) == ["aten.div.Tensor"] * 2 + ["aten.view.default"] * 2
 
 

@@ -1,6 +1,4 @@
-"""Every private torch API the passes use, in one place (the passes import nothing of ``fsdp_compile`` outside
-``fsdp_compile.passes``; ``fsdp_compile/_compat.py`` holds the rest). Where these move between torch releases, the fallback belongs here.
-"""
+"""Every private torch API the passes use (``fsdp_compile/_compat.py`` holds the rest's)."""
 
 from __future__ import annotations
 
@@ -18,16 +16,13 @@ __all__ = ["FakeTensor", "FakeTensorMode", "OpOverloadPacket", "detect_fake_mode
 
 
 def mark_sourceless_input(placeholder: object) -> None:
-    """A placeholder added to a Dynamo graph stands for no user-code source: AOTAutograd reads each Dynamo
-    placeholder's ``_dynamo_source`` to map its inputs back to user code (``None``: no source)."""
+    """Mark a placeholder added to a Dynamo graph as having no user-code source (read by AOTAutograd)."""
     placeholder._dynamo_source = None  # type: ignore[attr-defined]
 
 
 def copy_dynamo_graph(gm: Any) -> Any:
-    """A copy of Dynamo's graph module ``gm`` with a graph of its own (Dynamo reads its graph's
-    placeholders after the backend returns: a pass that changes them works on a copy), keeping what
-    AOTAutograd reads of a Dynamo graph: the module's ``meta`` and ``_param_name_to_source`` and each
-    placeholder's ``_dynamo_source``."""
+    """A copy of Dynamo's ``gm`` with its own graph (Dynamo reads its placeholders after the backend returns),
+    keeping what AOTAutograd reads: ``meta``, ``_param_name_to_source``, each placeholder's ``_dynamo_source``."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, env))
@@ -42,7 +37,6 @@ def copy_dynamo_graph(gm: Any) -> Any:
 
 
 def static_fake(tensor: Any) -> Any:
-    """``tensor`` as a fake tensor of the compile in progress, its sizes static: an input added to Dynamo's
-    graph (a real tensor with no Dynamo source would get symbolic sizes from AOTAutograd)."""
+    """``tensor`` as a static-shaped fake tensor of the compile in progress (for an input added to Dynamo's graph)."""
     mode = detect_fake_mode()
     return tensor if mode is None else mode.from_tensor(tensor, static_shapes=True)

@@ -1,16 +1,10 @@
-"""A collective with the nodes that exist only for it: pack before, unpack after.
+"""A collective with the nodes that exist only for it (tagged ``meta["fsdp"]`` with its kind and unit)::
 
-The lowering and bucketing passes tag every node they insert with ``meta["fsdp"]`` (kind, unit). A
-*region* is one launch plus its wait and the tagged nodes around them::
+    prologue (cast, flatten, pad, pack) -> launch -> wait -> epilogue (copy-out, narrow, div, view)
 
-    prologue (cast, flatten, pad, cat) -> launch -> wait -> epilogue (split, copy-out, narrow, div, view)
-
-Scheduling passes move regions as wholes: the prologue and launch together, the wait and epilogue
-together. The prologue also holds the views (``view``, ``permute``, ``t``...) that only it reads: they
-compute nothing, and a gradient's collective is ready when the gradient is computed, not where the
-graph put its transpose (AOTAutograd may emit a weight gradient's ``t()`` after later compute).
-``inputs`` are the other nodes the prologue reads (shards, or the gradients computed in backward);
-``users`` are the untagged nodes that read the epilogue.
+Scheduling passes move the prologue with the launch and the epilogue with the wait. The prologue also
+holds the untagged views that only it reads (a weight gradient's ``t()`` may come after later compute).
+``inputs``: the other nodes the prologue reads; ``users``: the untagged nodes that read the epilogue.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from .order import positions
 from .predicates import VIEW_OPS, collective_kind, fsdp_meta, is_collective, tensor_bytes, wait_of
 
 __all__ = ["Region", "regions"]
@@ -48,12 +43,10 @@ class Region:
 
     @property
     def in_bytes(self) -> int:
-        """Bytes of the collective's input (kept alive until its wait)."""
         return tensor_bytes(self.launch.args[0])  # type: ignore[arg-type]
 
     @property
     def out_bytes(self) -> int:
-        """Bytes of the collective's output."""
         return tensor_bytes(self.wait)
 
     @property
@@ -61,26 +54,23 @@ class Region:
         return [*self.prologue, self.launch, self.wait, *self.epilogue]
 
 
-def _same(node: fx.Node, kind: object, unit: object) -> bool:
-    meta = node.meta.get("fsdp")
-    return bool(meta) and meta.get("kind") == kind and meta.get("unit") == unit and not is_collective(node)
-
-
 def _tagged_closure(start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]], kind: object,
                     unit: object) -> set[fx.Node]:
-    """The nodes tagged for (kind, unit) reachable from ``start`` through tagged nodes only."""
+    """The nodes tagged (kind, unit) reachable from ``start`` through such nodes."""
     found: set[fx.Node] = set()
     stack = list(start)
     while stack:
         n = stack.pop()
-        if n not in found and n.op == "call_function" and _same(n, kind, unit):
+        meta = n.meta.get("fsdp")
+        if (n not in found and n.op == "call_function" and meta and meta.get("kind") == kind
+                and meta.get("unit") == unit and not is_collective(n)):
             found.add(n)
             stack.extend(step(n))
     return found
 
 
 def _views_only_read_by(nodes: set[fx.Node]) -> set[fx.Node]:
-    """The chains of untagged views, of one input each, whose every user is in ``nodes`` or the chain."""
+    """The untagged one-input views whose every user is in ``nodes`` or among them."""
     found: set[fx.Node] = set()
     stack = [i for n in nodes for i in n.all_input_nodes]
     while stack:
@@ -105,18 +95,12 @@ def _region(launch: fx.Node, index: dict[fx.Node, int]) -> Region:
     inputs = {i for n in [*prologue, launch] for i in n.all_input_nodes if i not in inside}
     users = {u for n in [wait, *epilogue] for u in n.users if u not in inside}
     order = index.__getitem__
-    return Region(
-        launch=launch,
-        wait=wait,
-        prologue=sorted(prologue, key=order),
-        epilogue=sorted(epilogue, key=order),
-        inputs=sorted(inputs, key=order),
-        users=sorted(users, key=order),
-    )
+    return Region(launch, wait, sorted(prologue, key=order), sorted(epilogue, key=order),
+                  sorted(inputs, key=order), sorted(users, key=order))
 
 
 def regions(gm: fx.GraphModule, kind: str | None = None) -> list[Region]:
     """Every collective region in ``gm`` (of one ``kind``, if given), in launch order."""
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    index = positions(gm.graph)
     out = [_region(n, index) for n in gm.graph.nodes if is_collective(n)]
     return [r for r in out if kind is None or r.kind == kind]

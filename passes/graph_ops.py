@@ -1,16 +1,11 @@
-"""The ``fsdp::`` ops of the graphs: the markers' schemas and the ops the passes put in.
-
-- The markers ``fsdp::unshard`` and ``fsdp::reduce_grad``: their arguments, once (NOTE [one marker spec]
-  below), from which their schemas are built; their kernels are in ``fsdp_compile/api/markers.py``.
-- Bucket copies: ``pack_shards``, ``copy_out_rows``, ``pack_rows`` (NOTE [bucket copies] below): one op
-  per copy into or out of a unit's bucket.
-
-An op's schema takes no nested int lists and no string lists: shapes travel flattened
+"""The ``fsdp::`` ops: the markers' schemas (NOTE [one marker spec]) and the bucket copies the passes insert
+(NOTE [bucket copies]). Schemas take no nested int lists or string lists: shapes travel flattened
 (:func:`flatten_shapes`), names joined by ``NAMES_SEP``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -19,11 +14,11 @@ from torch import Tensor
 __all__ = ["NAMES_SEP", "PIECE_ARGS", "REDUCE_GRAD_ARGS", "UNSHARD_ARGS", "arg_names", "by_name", "copy_out_rows",
            "flatten_shapes", "in_order", "numel", "pack_rows", "pack_shards", "unflatten_shapes"]
 
-NAMES_SEP = "\n"  # between the names a marker of several pieces carries (a name holding it never joins one)
+NAMES_SEP = "\n"  # between the names of a marker's pieces
 
 
 def flatten_shapes(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
-    """Shapes as (their ranks, their sizes one after another): what an op's schema can carry."""
+    """Shapes as (their ranks, their sizes one after another)."""
     return [len(s) for s in shapes], [int(d) for s in shapes for d in s]
 
 
@@ -36,42 +31,32 @@ def unflatten_shapes(ranks: Sequence[int], dims: Sequence[int]) -> list[list[int
 
 
 def numel(shape: Sequence[int]) -> int:
-    """Elements of a tensor of ``shape``."""
-    out = 1
-    for s in shape:
-        out *= s
-    return out
+    return math.prod(shape)
 
-
-# ---------------------------------------------------------------------------------------------
-# The markers' arguments
-# ---------------------------------------------------------------------------------------------
 
 Spec = tuple[tuple[str, str], ...]  # (name, schema type) of each argument, in order
 
 # NOTE [one marker spec]: the markers' arguments, written once; the schemas of ``fsdp::unshard`` and
-# ``fsdp::reduce_grad`` (whose kernels ``fsdp_compile/api/markers.py`` registers) are built from them.
-# A marker reads *pieces*: ``shard``'s elements, one piece after another, piece ``i`` of shape
-# ``unflatten_shapes(shard_ranks, shard_dims)[i]``, the shard of the parameter named
-# ``names.split(NAMES_SEP)[i]``, of full shape ``unflatten_shapes(ranks, dims)[i]``. A traced read is
-# one piece (its shard, in its shape); a unit's flat marker is every piece of its flat shard (NOTE [flat
-# markers] in ``capture/group_markers.py``). Kernels, fakes, backwards and passes read arguments by these
-# names (``by_name``, ``in_order``, ``predicates.marker_args``); ``fully_shard`` builds a read's arguments
-# by name too.
+# ``fsdp::reduce_grad`` (kernels in ``fsdp_compile/api/markers.py``) are built from them, and everything
+# reads arguments by these names (``by_name``, ``in_order``, ``predicates.marker_args``). A marker reads
+# *pieces* of ``shard``, one after another: piece ``i`` has shape ``unflatten_shapes(shard_ranks,
+# shard_dims)[i]`` and is the shard of parameter ``names.split(NAMES_SEP)[i]``, of full shape
+# ``unflatten_shapes(ranks, dims)[i]``. A traced read is one piece; a flat marker is every piece of a
+# flat shard (NOTE [flat markers] in ``capture/group_markers.py``).
 UNSHARD_ARGS: Spec = (
     ("shard", "Tensor"), ("shard_ranks", "SymInt[]"), ("shard_dims", "SymInt[]"), ("ranks", "SymInt[]"),
     ("dims", "SymInt[]"), ("names", "str"), ("world_size", "SymInt"), ("unit", "SymInt"), ("ag_group", "str"),
     ("rs_group", "str"), ("replicate_group", "str"), ("replicate_size", "SymInt"), ("reshard", "bool"),
     ("param_dtype", "ScalarType?"), ("reduce_dtype", "ScalarType?"),
-    ("accumulate", "Tensor[]?"),  # (default None: gradient accumulation without communication)
+    ("accumulate", "Tensor[]?"),  # gradient accumulation without communication (default None)
 )
 REDUCE_GRAD_ARGS: Spec = (
     ("grads", "Tensor[]"), ("shard_ranks", "SymInt[]"), ("shard_dims", "SymInt[]"), ("names", "str"),
     ("world_size", "SymInt"), ("unit", "SymInt"), ("ag_group", "str"), ("rs_group", "str"), ("replicate_group", "str"),
     ("replicate_size", "SymInt"), ("reduce_dtype", "ScalarType?"), ("out_dtype", "ScalarType"),
 )
+# The arguments that describe a marker's pieces; the rest are its unit's.
 PIECE_ARGS = frozenset({"shard", "shard_ranks", "shard_dims", "ranks", "dims", "names", "accumulate"})
-"""The arguments that describe a marker's pieces; the rest are its unit's, alike for all its pieces."""
 
 
 def arg_names(spec: Spec) -> tuple[str, ...]:
@@ -84,7 +69,7 @@ def by_name(spec: Spec, args: Sequence[object]) -> dict[str, object]:
 
 
 def in_order(spec: Spec, **values: object) -> tuple[object, ...]:
-    """An op's positional arguments in ``spec``'s order, taken from ``values`` by name (others ignored)."""
+    """An op's positional arguments in ``spec``'s order, from ``values`` by name (others ignored)."""
     return tuple(values[name] for name in arg_names(spec))
 
 
@@ -102,34 +87,23 @@ _define("fsdp::unshard", _schema(UNSHARD_ARGS), "Tensor[]")
 _define("fsdp::reduce_grad", _schema(REDUCE_GRAD_ARGS), "Tensor")
 
 
-# ---------------------------------------------------------------------------------------------
-# Bucket copies
-# ---------------------------------------------------------------------------------------------
-
-# NOTE [bucket copies]: at world size W a unit's gathered bucket is (W, N) rank-major, so each member's
-# rows are strided: every member is copied out before use, and every gradient is copied in, interleaved,
-# before the reduce-scatter. Written with aten ops (per member a flatten, a cast, a pad, a ``split`` and
-# reshapes), Inductor lowers each member's nodes and generates a copy kernel per bucket, and its compile
-# time grows with the number of parameters. As one op per copy, each is a single node to compile and a
-# single launch to run, whatever the bucket holds: the members go in and come out in their own shapes,
-# cast and padded inside the op (torch's ``cat(out=)``, ``split_with_sizes_copy`` and ``_chunk_cat``:
-# one CUDA kernel each, as FSDP2 uses them). The ops are opaque to Inductor, which has nothing to fuse
-# there anyway: the members' consumers are matmuls, and their producers too.
+# NOTE [bucket copies]: at world size W a gathered bucket is (W, N) rank-major, so every member is copied
+# out before use and every gradient copied in, interleaved, before the reduce-scatter. As aten ops (per
+# member a flatten, cast, pad, split, reshapes) Inductor compiles nodes per parameter; as one custom op
+# per copy (``cat(out=)``, ``split_with_sizes_copy``, ``_chunk_cat``: one kernel each, as in FSDP2), each
+# copy is one node and one launch. Inductor has nothing to fuse there: producers and consumers are matmuls.
 #
-# NOTE [copies take any layout]: the pack of shards and the copy out of a gathered bucket read their
-# inputs through ``reshape`` (any strides will do), so Inductor need not pin the inputs to the traced
-# strides: by default it checks and fixes the layout of every tensor input of a custom op when lowering
-# the outer graph (nine shards per unit's pack). ``flexible_layout``
-# lets it pass them as they are. (The gradients' pack keeps the default: ``_chunk_cat`` is left the
-# layouts it was traced with.)
+# NOTE [copies take any layout]: the pack of shards and the copy out of a gathered bucket read their inputs
+# through ``reshape``, so ``flexible_layout`` spares Inductor pinning each input to its traced strides.
+# The gradients' pack keeps the default (``_chunk_cat`` gets the traced layouts).
 _ANY_LAYOUT = (torch.Tag.flexible_layout,)
 
 
 @torch.library.custom_op("fsdp::pack_shards", mutates_args=(), tags=_ANY_LAYOUT)
 def pack_shards(shards: list[Tensor], world: int, rank: int, dtype: torch.dtype) -> Tensor:
-    """A new ``world * N`` buffer in ``dtype`` (``N``: the shards' elements) whose slice ``rank`` holds the
-    shards, flattened and concatenated: an all-gather's output, this rank's part already in place
-    (NOTE [in-place all-gather] in ``lower/bucket.py``); the rest is left for the collective to fill."""
+    """A new ``world * N`` buffer in ``dtype`` whose slice ``rank`` holds the shards (``N`` elements), flat and
+    concatenated: an all-gather's output with this rank's part in place (NOTE [in-place all-gather] in
+    ``lower/bucket.py``)."""
     sizes = [s.numel() for s in shards]
     out = shards[0].new_empty(world * sum(sizes), dtype=dtype)
     mine = out.narrow(0, rank * sum(sizes), sum(sizes))
@@ -144,10 +118,8 @@ def _pack_shards_fake(shards: list[Tensor], world: int, rank: int, dtype: torch.
 
 @torch.library.custom_op("fsdp::copy_out_rows", mutates_args=(), tags=_ANY_LAYOUT)
 def copy_out_rows(gathered: Tensor, world: int, sizes: list[int], ranks: list[int], dims: list[int]) -> list[Tensor]:
-    """``gathered`` viewed as (``world``, sum(sizes)): member ``i`` is columns ``[off_i, off_i + sizes[i])``
-    of every row, its ``world`` pieces one after another; returned contiguous in its own shape, the
-    next ``ranks[i]`` sizes of ``dims``, whose dim 0 may be shorter than the gathered rows (the padding
-    left off, NOTE [padding])."""
+    """``gathered`` as (``world``, sum(sizes)): member ``i`` is columns ``[off_i, off_i + sizes[i])`` of every
+    row, returned contiguous in its shape from ``ranks``/``dims`` (the padding left off, NOTE [padding])."""
     outs = [gathered.new_empty(world * s) for s in sizes]
     torch.split_with_sizes_copy(gathered.reshape(world, -1), sizes, dim=1,
                                 out=[o.view(world, s) for o, s in zip(outs, sizes)])
@@ -162,9 +134,8 @@ def _copy_out_rows_fake(gathered: Tensor, world: int, sizes: list[int], ranks: l
 
 @torch.library.custom_op("fsdp::pack_rows", mutates_args=())
 def pack_rows(grads: list[Tensor], world: int, dtype: torch.dtype) -> Tensor:
-    """Each gradient split into ``world`` chunks of rows (dim 0, the last chunk zero-padded: NOTE
-    [padding]), chunk ``r`` of every gradient in turn, flat in ``dtype``: the reduce-scatter input, rank
-    ``r`` receiving chunk ``r`` (one ``_chunk_cat``)."""
+    """The reduce-scatter input, flat in ``dtype``: chunk ``r`` (of ``world`` chunks of rows, zero-padded:
+    NOTE [padding]) of every gradient in turn, for each rank ``r``."""
     rows = [g.reshape(1) if g.dim() == 0 else g for g in grads]
     out = rows[0].new_empty(world, _chunk_numel(rows, world), dtype=dtype)
     torch._chunk_cat(rows, 0, world, out=out)

@@ -1,11 +1,4 @@
-"""Reorder a graph by a priority, keeping it topologically valid.
-
-Every scheduling pass in this package says *where it would like* each node (a sort key) and leaves
-legality to :func:`reorder`: a topological sort (Kahn's algorithm) that, among the nodes whose inputs
-are all placed, always places the one with the smallest key next. Nodes a pass did not touch keep their
-current index as key, so the rest of the graph stays in the order it had. A node wanted before one of
-its inputs is placed right after that input; nothing can be placed before what it reads.
-"""
+"""Reorder a graph by sort keys, keeping it topologically valid (Kahn's algorithm, smallest key first)."""
 
 from __future__ import annotations
 
@@ -14,7 +7,7 @@ from collections.abc import Mapping
 
 from torch import fx
 
-__all__ = ["positions", "reorder"]
+__all__ = ["place", "positions", "reorder"]
 
 
 def positions(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -22,16 +15,18 @@ def positions(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def reorder(
-    graph: fx.Graph,
-    keys: Mapping[fx.Node, float] | None = None,
-    *,
-    before: Mapping[fx.Node, fx.Node] | None = None,
-) -> None:
+def place(keys: dict[fx.Node, float], nodes: list[fx.Node], key: float) -> None:
+    """Key ``nodes`` at ``key``, in their order."""
+    for j, n in enumerate(nodes):
+        keys[n] = key + j * 1e-6
+
+
+def reorder(graph: fx.Graph, keys: Mapping[fx.Node, float] | None = None, *,
+            before: Mapping[fx.Node, fx.Node] | None = None) -> None:
     """Stable-topologically sort ``graph`` in place by ``keys`` (default: current index).
 
-    ``before`` asks for nodes to go just before other nodes (``{node: anchor}``), in the order the
-    mapping lists them. Placeholders stay first and the output stays last. Ties keep the current order.
+    ``before`` puts nodes just before others (``{node: anchor}``), in the mapping's order. Placeholders
+    stay first, the output last, ties keep the current order.
     """
     index = positions(graph)
     key = {n: float(index[n]) for n in graph.nodes}
@@ -58,7 +53,6 @@ def reorder(
                 if waiting[user] == 0:
                     heapq.heappush(ready, (key[user], index[user], user))
     assert len(order) == len(body), "the graph has a cycle"
-    # Moving each node right after the previous one leaves the output last, where it was.
     cursor: fx.Node | None = placeholders[-1] if placeholders else None
     for n in order:
         if cursor is None:

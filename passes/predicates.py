@@ -1,8 +1,5 @@
-"""Small predicates over FX nodes; each docstring draws the shape it matches.
-
-The marker ops are matched by their qualified names (``fsdp::unshard``, ``fsdp::reduce_grad``), so this
-package needs nothing from ``fsdp_compile``: graphs are read through their op arguments alone.
-"""
+"""Small predicates over FX nodes; each docstring draws the shape it matches. Markers are matched by
+qualified name (``fsdp::unshard``), so nothing of ``fsdp_compile`` is needed."""
 
 from __future__ import annotations
 
@@ -14,27 +11,10 @@ from torch import Tensor, fx
 
 from ._compat import OpOverloadPacket
 
-__all__ = [
-    "marker_args",
-    "needs_grad",
-    "is_unshard",
-    "is_reduce_grad",
-    "flat_piece",
-    "is_all_gather",
-    "is_reduce_scatter",
-    "is_all_reduce",
-    "gathers_needed",
-    "VIEW_OPS",
-    "is_collective",
-    "collective_kind",
-    "op_name",
-    "is_wait",
-    "waited_collective",
-    "wait_of",
-    "fsdp_meta",
-    "tensor_bytes",
-    "schema_args",
-]
+__all__ = ["VIEW_OPS", "collective_kind", "example_value", "flat_piece", "fsdp_meta", "gathers_needed",
+           "is_all_gather", "is_all_reduce", "is_collective", "is_reduce_grad", "is_reduce_scatter", "is_unshard",
+           "is_wait", "marker_args", "needs_grad", "op_name", "schema_args", "tensor_bytes", "wait_of",
+           "waited_collective"]
 
 c10d = torch.ops._c10d_functional
 
@@ -49,25 +29,18 @@ def _schema(node: fx.Node) -> torch.FunctionSchema | None:
     return getattr(target, "_schema", None)
 
 
-def _schema_name(node: fx.Node) -> str | None:
-    schema = _schema(node)
-    return schema.name if schema is not None else None
-
-
 def is_unshard(node: fx.Node) -> bool:
-    """``shard -> fsdp::unshard -> getitem -> full params``: a marker before lowering (NOTE [one marker
-    spec] in ``graph_ops.py``)."""
-    return _schema_name(node) == "fsdp::unshard"
+    """``shard -> fsdp::unshard -> getitem -> full params`` (NOTE [one marker spec])"""
+    return getattr(_schema(node), "name", None) == "fsdp::unshard"
 
 
 def is_reduce_grad(node: fx.Node) -> bool:
-    """``[full grads] -> fsdp::reduce_grad -> the shard's gradient``: a marker before lowering."""
-    return _schema_name(node) == "fsdp::reduce_grad"
+    """``[full grads] -> fsdp::reduce_grad -> the shard's gradient``"""
+    return getattr(_schema(node), "name", None) == "fsdp::reduce_grad"
 
 
 def is_all_gather(node: fx.Node) -> bool:
-    """``flat shard -> all_gather_into_tensor(n, group)``, or the in-place form a bucket uses:
-    ``slice of out -> all_gather_into_tensor_out(n, group, out=out)``"""
+    """``flat shard -> all_gather_into_tensor`` or ``slice of out -> all_gather_into_tensor_out(out=out)``"""
     return node.op == "call_function" and node.target in (c10d.all_gather_into_tensor.default,
                                                           c10d.all_gather_into_tensor_out.default)
 
@@ -128,38 +101,31 @@ def wait_of(collective: fx.Node) -> fx.Node:
     return waits[0]
 
 
-def collective_group(node: fx.Node) -> str:
-    """The group name argument of a collective launch."""
-    group = node.args[-1]
-    assert isinstance(group, str), node
-    return group
-
-
 def fsdp_meta(node: fx.Node) -> dict[str, object]:
-    """The annotations passes leave on nodes they create (unit, kind, group, stream, bytes...)."""
+    """The annotations passes leave on nodes (unit, kind, group, stream...)."""
     return node.meta.setdefault("fsdp", {})
 
 
 def tensor_bytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces, from its fake value (0 when unknown)."""
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return int(val.numel()) * val.element_size()
-    return 0
+    return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def example_value(node: fx.Node) -> object:
+    """A node's traced value: Dynamo's ``example_value`` or AOTAutograd's ``val``."""
+    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def needs_grad(marker: fx.Node) -> bool:
-    """Whether the parameters ``marker`` gathers were traced as needing a gradient (not read under
-    ``torch.no_grad()``, the shard not frozen); ``True`` where the graph does not say."""
-    value = marker.meta.get("example_value", marker.meta.get("val"))
+    """Whether ``marker``'s parameters were traced as needing a gradient (``True`` if the graph does not say)."""
+    value = example_value(marker)
     first = value[0] if isinstance(value, (list, tuple)) and value else value
     return bool(getattr(first, "requires_grad", True))
 
 
 def marker_args(node: fx.Node) -> SimpleNamespace:
-    """A marker's arguments (``fsdp::unshard`` or ``fsdp::reduce_grad``) as attributes named as in its
-    schema, which ``graph_ops`` builds from the one marker spec (NOTE [one marker spec]):
-    ``marker_args(node).unit``."""
+    """A marker's arguments as attributes named as in its schema: ``marker_args(node).unit``."""
     assert is_unshard(node) or is_reduce_grad(node), node
     return SimpleNamespace(**schema_args(node))
 
@@ -168,26 +134,21 @@ def schema_args(node: fx.Node) -> dict[str, object]:
     """A marker's arguments by schema name, whether the call passed them by position or keyword."""
     schema = _schema(node)
     assert schema is not None, node
-    out: dict[str, object] = {}
-    for i, arg in enumerate(schema.arguments):
-        out[arg.name] = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
-    return out
+    return {arg.name: node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            for i, arg in enumerate(schema.arguments)}
 
 
-_NARROW = {torch.ops.aten.narrow.default, torch.ops.aten.slice.Tensor}
-
-_VIEW = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
-
+aten = torch.ops.aten
+_NARROW = {aten.narrow.default, aten.slice.Tensor}
+_VIEW = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # Ops that return a view of their one tensor input and compute nothing.
-VIEW_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.as_strided.default,
-                      torch.ops.aten.permute.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
-                      torch.ops.aten.alias.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim})
+VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.as_strided.default, aten.permute.default,
+                      aten.t.default, aten.transpose.int, aten.alias.default, aten.unsqueeze.default, aten.squeeze.dim})
 
 
 def flat_piece(node: object) -> tuple[fx.Node, int, int, list[fx.Node]] | None:
-    """``base -> narrow(0, offset, n) [-> view(shape)] -> node``, as Dynamo records the read of a flat
-    shard's piece (``Tensor.narrow`` / ``Tensor.view`` methods) or as ATen ops: ``(base, offset, n, the
-    nodes from the narrow on)``, else ``None``. ``base`` is a 1-D graph input."""
+    """``base (1-D input) -> narrow(0, offset, n) [-> view(shape)] -> node``, as methods or ATen ops:
+    ``(base, offset, n, the nodes from the narrow on)``, else ``None``."""
     if not isinstance(node, fx.Node):
         return None
     chain = [node]
@@ -200,14 +161,14 @@ def flat_piece(node: object) -> tuple[fx.Node, int, int, list[fx.Node]] | None:
     if not _is(node, "narrow", _NARROW) or len(node.args) < 4:
         return None
     base, dim, start, length = node.args[:4]
-    if node.target is torch.ops.aten.slice.Tensor:
+    if node.target is aten.slice.Tensor:
         length = length - start if isinstance(length, int) and isinstance(start, int) else None  # (start, end)
         if len(node.args) > 4 and node.args[4] != 1:
             return None
     if (not isinstance(base, fx.Node) or base.op not in ("placeholder", "get_attr") or dim != 0
             or not isinstance(start, int) or not isinstance(length, int)):
         return None
-    val = base.meta.get("example_value", base.meta.get("val"))
+    val = example_value(base)
     if not isinstance(val, Tensor) or val.dim() != 1:
         return None
     return base, start, length, chain
@@ -220,9 +181,8 @@ def _is(node: fx.Node, method: str, targets: set) -> bool:
 
 
 def gathers_needed(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Each node's all-gathers, as a bit set (bit ``i``: the ``i``-th all-gather wait found), that it
-    needs directly or through its inputs. The graph need not be in topological order (a pass that
-    splices before reordering leaves it so)."""
+    """Each node's all-gather waits, needed directly or through its inputs, as a bit set (bit ``i``: the
+    ``i``-th found). The graph need not be in topological order."""
     needed: dict[fx.Node, int] = {}
     bits: dict[fx.Node, int] = {}
     for start in gm.graph.nodes:

@@ -1,8 +1,5 @@
-"""One runner for all passes: run each in order, lint after each, recompile once, optionally log a diff.
-
-A pass is any ``Callable[[GraphModule], GraphModule]``; settings are bound beforehand
-(``functools.partial(prefetch_pass, depth=2)``). A pass whose pattern is absent returns the graph as is.
-"""
+"""Run passes (each a ``Callable[[GraphModule], GraphModule]``, settings bound with ``functools.partial``)
+in order, linting after each."""
 
 from __future__ import annotations
 
@@ -23,27 +20,17 @@ GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
 @dataclass(frozen=True)
 class NamedPass:
     """A pass and the name it is logged, diffed and switched off by."""
-
     name: str
     fn: GraphPass
 
 
-def run_passes(
-    gm: fx.GraphModule,
-    passes: Sequence[NamedPass],
-    *,
-    disabled: Iterable[str] = (),
-    log_diff: bool = False,
-    allow_unknown: bool = False,
-    recompile: bool = True,
-) -> fx.GraphModule:
-    """Run ``passes`` in order on ``gm``, skipping those named in ``disabled``.
+def run_passes(gm: fx.GraphModule, passes: Sequence[NamedPass], *, disabled: Iterable[str] = (),
+               log_diff: bool = False, allow_unknown: bool = False, recompile: bool = True) -> fx.GraphModule:
+    """Run ``passes`` in order on ``gm``, skipping those named in ``disabled``; lint after each (naming the
+    pass that broke the graph) and recompile at the end (``recompile=False``: a later call does).
 
-    After each pass the graph is linted (a broken graph fails here, naming the pass); it is recompiled
-    at the end (and after each pass when logging diffs).
-    With ``log_diff`` each pass's before/after code is logged at INFO on this module's logger.
-    ``allow_unknown`` accepts disabled names this call does not run (a pipeline split over calls);
-    ``recompile=False`` leaves the recompile to a later call of the same pipeline.
+    ``log_diff`` logs each pass's code diff at INFO; ``allow_unknown`` accepts disabled names that this call
+    does not run (a pipeline split over calls).
     """
     skip = set(disabled)
     unknown = skip - {p.name for p in passes}
@@ -58,7 +45,7 @@ def run_passes(
         gm = p.fn(gm)
         try:
             gm.graph.lint()
-        except Exception as e:  # re-raised with the pass's name
+        except Exception as e:
             raise RuntimeError(f"pass {p.name!r} left a malformed graph: {e}") from e
         if log_diff:
             gm.recompile()
@@ -67,5 +54,5 @@ def run_passes(
             )
             log.info("%s", "\n".join(diff))
     if recompile:
-        gm.recompile()  # once, not after each pass: its Python code is what a large graph's compile waits for
+        gm.recompile()
     return gm

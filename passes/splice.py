@@ -1,10 +1,5 @@
-"""Write a rewrite as eager code and splice its trace into a graph.
-
-``splice(graph, fn, inputs, before=node)`` traces ``fn`` with ``make_fx`` on the fake values of
-``inputs`` (under the graph's own fake mode), copies the traced nodes in before ``before`` and returns
-the nodes standing for ``fn``'s outputs. A pass then reads as the eager code it inserts, and every new
-node carries a fake value (``meta["val"]``) for later passes and for Inductor.
-"""
+"""Write a rewrite as eager code and splice its trace (``make_fx`` on the inputs' fake values, in the graph's
+fake mode) into a graph; every new node carries a fake ``meta["val"]``."""
 
 from __future__ import annotations
 
@@ -21,12 +16,8 @@ from ._compat import FakeTensorMode, detect_fake_mode, tree_flatten, tree_map_on
 __all__ = ["splice"]
 
 
-def _fake_mode(vals: Sequence[object]) -> FakeTensorMode | None:
-    return detect_fake_mode(list(vals))
-
-
-# Traces reused as templates: the blocks of a model repeat, and so do the rewrites spliced into
-# them. Keyed by the caller's key and the inputs' metadata; a reused trace gets fresh fake values.
+# Traces reused as templates (blocks repeat, and so do their rewrites), keyed by the caller's key and the
+# inputs' metadata; the nodes copied from a reused trace get fresh fake values.
 _traces: OrderedDict[tuple, fx.GraphModule] = OrderedDict()
 _MAX_TRACES = 256
 
@@ -38,8 +29,7 @@ def _signature(val: object) -> object:
 
 
 def _reusable_key(cache_key: Hashable | None, vals: Sequence[object]) -> Hashable | None:
-    """The key of a trace of ``fn`` on ``vals``, or ``None`` where it must not be reused: symbolic sizes
-    (``torch.compile(dynamic=True)``: a ``SymInt`` is no key, and its trace holds the graph's symbols)."""
+    """The key of a trace on ``vals``, or ``None`` where it must not be reused (symbolic sizes)."""
     if cache_key is None:
         return None
     key = (cache_key, tuple(_signature(v) for v in vals))
@@ -52,25 +42,16 @@ def _symbolic(value: object) -> bool:
     return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def splice(
-    graph: fx.Graph,
-    fn: Callable[..., object],
-    inputs: Sequence[fx.Node],
-    *,
-    before: fx.Node,
-    meta: dict[str, object] | None = None,
-    inserted: list[fx.Node] | None = None,
-    cache_key: Hashable | None = None,
-) -> list[fx.Node]:
+def splice(graph: fx.Graph, fn: Callable[..., object], inputs: Sequence[fx.Node], *, before: fx.Node,
+           meta: dict[str, object] | None = None, inserted: list[fx.Node] | None = None,
+           cache_key: Hashable | None = None) -> list[fx.Node]:
     """Insert ``fn(*inputs)`` before ``before``; return the nodes of its (flattened) outputs.
 
-    Every inserted node gets ``meta["fsdp"]`` updated with ``meta`` (unit, kind, ...); when
-    ``inserted`` is given, the new nodes are appended to it in graph order. ``cache_key`` (everything
-    ``fn`` depends on besides its inputs) lets a later call with equal inputs reuse the trace; the
-    copied nodes then get fresh fake values, computed in the graph's fake mode.
+    Each new node's ``meta["fsdp"]`` is updated with ``meta``, and appended to ``inserted`` if given.
+    ``cache_key`` (what ``fn`` depends on besides its inputs) lets a later call reuse the trace.
     """
     vals = [n.meta["val"] for n in inputs]
-    mode = _fake_mode(vals)
+    mode = detect_fake_mode(vals)
     ctx = mode if mode is not None else contextlib.nullcontext()
     key = _reusable_key(cache_key, vals)
     traced = _traces.get(key) if key is not None else None
@@ -82,10 +63,9 @@ def splice(
             _traces[key] = traced
             while len(_traces) > _MAX_TRACES:
                 _traces.popitem(last=False)
-    env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(inputs), (len(placeholders), len(inputs))
-    env.update(zip(placeholders, inputs))
+    env: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs))
     replayed = _replay(traced, placeholders, vals, mode) if reused and mode is not None else None
     outputs: list[fx.Node] = []
     with graph.inserting_before(before):
@@ -100,12 +80,13 @@ def splice(
                 env[node] = env[node.args[0]]  # type: ignore[index]
                 continue
             new = graph.node_copy(node, lambda n: env[n])
-            if reused:  # a value of its own, never one shared with the node it was copied from
+            if reused:  # a value of its own, not the template's
                 if replayed is not None:
                     new.meta["val"] = replayed[node]
-                else:
-                    with ctx:
-                        new.meta["val"] = _evaluate(new)
+                else:  # run the op on its inputs' fake values
+                    args, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (new.args, new.kwargs))
+                    with ctx, torch.no_grad():
+                        new.meta["val"] = new.target(*args, **kwargs)  # type: ignore[operator]
             if meta:
                 new.meta.setdefault("fsdp", {}).update(meta)
             if inserted is not None:
@@ -118,12 +99,10 @@ def _replay(traced: fx.GraphModule, placeholders: Sequence[fx.Node], vals: Seque
             mode: FakeTensorMode) -> dict[fx.Node, object] | None:
     """NOTE [replayed values]: fresh fake values for a reused trace's nodes without running their ops.
 
-    Each value gets the metadata its template node's value has, on storage of its own, except where the
-    template's value shared storage with an input or another node's value: then the new one shares the
-    corresponding storage (a view stays a view of the new input). Built on the meta device and wrapped
-    as fake tensors of the graph's mode: about a tenth of what running each op under the fake mode
-    costs, which a model's lowering does once per parameter and node. ``None`` (run the ops instead)
-    where a value is not a tensor or a sequence of tensors.
+    Each value copies its template's metadata on storage of its own, or on the new counterpart of a storage
+    the template shared with an input or another value (a view stays a view). Built on the meta device and
+    wrapped in the graph's fake mode, cheaper than running the ops. ``None`` (run the ops instead) where a
+    value is not a tensor or a sequence of tensors.
     """
     storages: dict[int, object] = {}
     for p, v in zip(placeholders, vals):
@@ -137,13 +116,14 @@ def _replay(traced: fx.GraphModule, placeholders: Sequence[fx.Node], vals: Seque
             raise TypeError(type(t))
         key = t.untyped_storage()._cdata
         if key not in storages:
-            storages[key] = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
+            nbytes = t.untyped_storage().nbytes()
+            storages[key] = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
         meta = torch.empty(0, dtype=t.dtype, device="meta").set_(storages[key], t.storage_offset(), t.shape, t.stride())
         return converter.from_meta_and_device(mode, meta, t.device)
 
     out: dict[fx.Node, object] = {}
     try:
-        with unset_fake_temporarily():  # meta tensors made outside the fake mode that may be active
+        with unset_fake_temporarily():  # meta tensors, outside any active fake mode
             for node in traced.graph.nodes:
                 if node.op in ("placeholder", "output"):
                     continue
@@ -152,10 +132,3 @@ def _replay(traced: fx.GraphModule, placeholders: Sequence[fx.Node], vals: Seque
     except (TypeError, RuntimeError, AttributeError):
         return None
     return out
-
-
-def _evaluate(node: fx.Node) -> object:
-    """Run a node's op on its inputs' fake values (no autograd: only the value is wanted)."""
-    args, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
-    with torch.no_grad():
-        return node.target(*args, **kwargs)  # type: ignore[operator]

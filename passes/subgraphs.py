@@ -1,5 +1,4 @@
-"""Reading ``invoke_subgraph`` calls and their bodies: shared by the passes that outline, hoist, inline,
-unroll and absorb."""
+"""Reading higher-order op calls (``invoke_subgraph`` and others) and their bodies."""
 
 from __future__ import annotations
 
@@ -25,13 +24,12 @@ def subgraph_calls(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     return out
 
 
-# Higher-order ops whose body reads the call's operands from this argument on, in order.
+# Higher-order ops -> the argument their body's operands start at.
 _HOP_OPERANDS = {invoke_subgraph: 2, torch.ops.higher_order.tag_activation_checkpoint: 1}
 
 
 def hop_calls(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule, int]]:
-    """Each call of a higher-order op in ``gm`` (an outlined body, an activation-checkpointed region): the
-    call, its body, where its operands start."""
+    """Each higher-order op call in ``gm``: the call, its body, where its operands start."""
     for node in list(gm.graph.nodes):
         start = _HOP_OPERANDS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
         attr = node.args[0] if start is not None else None
@@ -44,8 +42,7 @@ def hop_calls(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.GraphModule, int
 
 
 def hop_bodies(gm: fx.GraphModule, seen: set[int] | None = None) -> Iterator[fx.GraphModule]:
-    """Each body of a higher-order op in ``gm``, and in their bodies, outermost first: once, however many
-    calls share it (the one body every outlined block calls)."""
+    """Each body of a higher-order op in ``gm`` and, recursively, in those bodies, outermost first, once each."""
     seen = set() if seen is None else seen
     for _, body, _ in hop_calls(gm):
         if id(body) not in seen:
@@ -55,7 +52,7 @@ def hop_bodies(gm: fx.GraphModule, seen: set[int] | None = None) -> Iterator[fx.
 
 
 def holds(body: fx.GraphModule, predicate: Callable[[fx.Node], bool]) -> bool:
-    """Whether any node of ``body`` (or of a body nested in it) matches ``predicate``."""
+    """Whether any node of ``body`` or of a body nested in it matches ``predicate``."""
     for node in body.graph.nodes:
         if predicate(node):
             return True
@@ -67,10 +64,8 @@ def holds(body: fx.GraphModule, predicate: Callable[[fx.Node], bool]) -> bool:
 
 
 def fresh_value(val: object, *, requires_grad: bool = False) -> object:
-    """A new fake tensor like ``val`` (a value of its own for each node that is given one; ``val`` itself
-    if it is no fake tensor): a meta tensor wrapped by ``val``'s fake mode, a fraction of what an
-    ``empty_strided`` dispatched through the mode costs, once for each moved node of every call.
-    ``requires_grad``: as ``val``'s. A list of values (a marker's) is a list of new ones."""
+    """A new fake tensor like ``val`` (elementwise for a list; ``val`` itself if no fake tensor), built on
+    the meta device and wrapped by ``val``'s fake mode; ``requires_grad`` keeps ``val``'s."""
     if isinstance(val, (list, tuple)):
         return type(val)(fresh_value(v, requires_grad=requires_grad) for v in val)
     if isinstance(val, FakeTensor):

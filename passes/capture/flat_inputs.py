@@ -1,17 +1,10 @@
-"""A flat shard that no collective will read becomes its pieces, one graph input each (NOTE [elided flats]).
+"""A flat shard that no collective will read becomes its pieces, one graph input each.
 
-NOTE [elided flats]: compiled code reads a unit's parameter ``i`` as a piece of the unit's flat shard,
-``flat.narrow(0, offset_i, n_i).view(shape_i)`` (NOTE [flat shards] in
-``fsdp_compile/api/flat_shard.py``), so that the all-gather packs the flat in one copy and the
-reduce-scatter's output is the flat's gradient. Where the unit's collectives are elided (world size 1),
-nothing packs or scatters, and the flat only costs: autograd builds the flat's gradient from the pieces'
-gradients, a copy of every gradient per step (docs/performance.md measures it). This pass replaces such
-a flat input by one input per piece, in offset order, and each ``view(narrow(flat))`` by its piece's
-input. The backend then calls the graph
-with the unit's parameters in the flat's place (each is that piece, a view of the flat), and autograd
-accumulates each parameter's gradient into its ``.grad`` directly, as for a module that is not sharded.
-
-A flat input read any other way (a narrow that is no piece, a use that is no narrow) is left whole.
+NOTE [elided flats]: compiled code reads a unit's parameter as ``flat.narrow(0, offset, n).view(shape)``
+(NOTE [flat shards] in ``fsdp_compile/api/flat_shard.py``). Where the unit's collectives are elided (world
+size 1) the flat only costs a copy of every gradient into the flat's. So such a flat input becomes one
+input per piece, in offset order, which the backend passes the parameters for: autograd accumulates
+their ``.grad`` directly. A flat read any other way is left whole.
 """
 
 from __future__ import annotations
@@ -24,15 +17,12 @@ from .._compat import copy_dynamo_graph, mark_sourceless_input
 
 __all__ = ["Piece", "split_flat_inputs_pass"]
 
-Piece = tuple[int, int, tuple[int, ...]]
-"""A piece of a flat shard: ``(offset, numel, shape)``."""
+Piece = tuple[int, int, tuple[int, ...]]  # a piece of a flat shard: (offset, numel, shape)
 
 
 def split_flat_inputs_pass(gm: fx.GraphModule, *, pieces: Mapping[str, Sequence[Piece]]) -> fx.GraphModule:
-    """Replace each placeholder named in ``pieces`` (every piece of it, in offset order) by one
-    placeholder per piece, where every read of it is ``view(narrow(flat, 0, offset, numel), shape)`` of a
-    listed piece. The new placeholders take the old one's place, named ``<old>_piece<i>``. Returns a new
-    module (``gm``'s graph, Dynamo's, keeps its placeholders) when a flat is split, else ``gm``."""
+    """(NOTE [elided flats]) Replace each placeholder named in ``pieces`` (all its pieces, in offset order)
+    and read only as listed pieces by a placeholder ``<old>_piece<i>`` per piece, in a copy of ``gm``."""
     if not any(_reads(ph, pieces[ph.name]) for ph in gm.graph.find_nodes(op="placeholder") if ph.name in pieces):
         return gm
     gm = copy_dynamo_graph(gm)
@@ -63,7 +53,7 @@ def split_flat_inputs_pass(gm: fx.GraphModule, *, pieces: Mapping[str, Sequence[
 
 
 def _reads(ph: fx.Node, layout: Sequence[Piece]) -> list[tuple[fx.Node, int]] | None:
-    """Every ``view`` of a piece of ``ph`` and that piece's index, or ``None`` if ``ph`` is read otherwise."""
+    """``ph -> narrow(0, offset, n) -> view(shape)``: each view and its piece's index, else ``None``."""
     index = {(offset, n): i for i, (offset, n, _) in enumerate(layout)}
     out: list[tuple[fx.Node, int]] = []
     for narrow in ph.users:
@@ -85,7 +75,7 @@ def _is_method(node: fx.Node, name: str) -> bool:
 
 
 def _shape(args: Sequence[object]) -> tuple[object, ...]:
-    """``view``'s shape, given as one sequence or as several ints."""
+    """``view``'s shape, given as one sequence or several ints."""
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         return tuple(args[0])
     return tuple(args)

@@ -1,14 +1,8 @@
-"""Inline ``invoke_subgraph`` calls: each call is replaced by a copy of its body's nodes.
-
-Where an outlined body cannot be kept (``make_backend(outline=False)``, a marker that could not be
-hoisted, a cost model that estimates op by op), the graph becomes the whole-model graph Dynamo would
-have traced without the region::
+"""Inline ``invoke_subgraph`` calls where an outlined body cannot be kept (``outline=False``, a marker not
+hoisted, a cost model estimating op by op)::
 
     before:  h1 = invoke_subgraph(body, 'id', x0, w0)[0]
     after:   h1 = <body ops>(x0, w0)
-
-:func:`inline_nested_pass` does the same inside the bodies of other higher-order ops (an outlined unit
-called inside an activation-checkpointed block): the passes schedule collectives in the outer graph only.
 """
 
 from __future__ import annotations
@@ -24,11 +18,7 @@ __all__ = ["inline_nested_pass", "inline_subgraphs_pass"]
 
 
 def _inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule) -> None:
-    operands = list(call.args[2:])
-    env: dict[fx.Node, object] = {}
-    placeholders = body.graph.find_nodes(op="placeholder")
-    for p, operand in zip(placeholders, operands, strict=True):
-        env[p] = operand
+    env: dict[fx.Node, object] = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[2:], strict=True))
     results: tuple[object, ...] = ()
     for node in body.graph.nodes:
         if node.op == "placeholder":
@@ -36,7 +26,7 @@ def _inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule) -> Non
         if node.op == "output":
             results = tuple(fx.node.map_arg(node.args[0], lambda n: env[n]))
             continue
-        if node.op == "get_attr":  # a constant or nested body of the body: carried over by name
+        if node.op == "get_attr":  # a constant or nested body: carried over by name
             target = str(node.target)
             name = f"{call.name}_{target.replace('.', '_')}"
             setattr(gm, name, getattr(body, target))
@@ -57,7 +47,10 @@ def _inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule) -> Non
         gm.graph.erase_node(attr)
 
 
-def _inline(gm: fx.GraphModule, keep: Callable[[fx.GraphModule], bool], min_calls: int) -> None:
+def inline_subgraphs_pass(gm: fx.GraphModule, *, keep: Callable[[fx.GraphModule], bool] = lambda body: False,
+                          min_calls: int = 1) -> fx.GraphModule:
+    """Inline every ``invoke_subgraph`` call whose body ``keep`` does not accept (default: all), and the
+    calls of bodies called fewer than ``min_calls`` times."""
     for name, calls in subgraph_calls(gm).items():
         body = getattr(gm, name)
         if len(calls) >= min_calls and keep(body):
@@ -68,19 +61,12 @@ def _inline(gm: fx.GraphModule, keep: Callable[[fx.GraphModule], bool], min_call
             delattr(gm, name)  # (not delete_all_unused_submodules: it drops what nested bodies read)
     gm.graph.lint()
     gm.recompile()
-
-
-def inline_subgraphs_pass(gm: fx.GraphModule, *, keep: Callable[[fx.GraphModule], bool] = lambda body: False,
-                          min_calls: int = 1) -> fx.GraphModule:
-    """Inline every ``invoke_subgraph`` call whose body ``keep`` does not accept (default: all), and the
-    calls of bodies called fewer than ``min_calls`` times."""
-    _inline(gm, keep, min_calls)
     return gm
 
 
 def inline_nested_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """Inline every ``invoke_subgraph`` call inside the bodies of ``gm``'s higher-order ops, outermost
-    first (a body inlined into another is then searched as part of it)."""
+    """Inline every ``invoke_subgraph`` call inside the bodies of ``gm``'s higher-order ops (an outlined unit
+    in an activation-checkpointed block), outermost first: collectives are scheduled in the outer graph only."""
     for body in hop_bodies(gm):
-        _inline(body, lambda body: False, 1)
+        inline_subgraphs_pass(body)
     return gm

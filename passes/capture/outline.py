@@ -1,42 +1,38 @@
 """Outline repeated blocks whose traced graphs are identical: one ``invoke_subgraph`` body, a call per block.
 
-NOTE [outlining by proof]: Dynamo traces every block inline, so its guards cover every block exactly as
-plain ``torch.compile``'s do (a later change to any block's attributes, submodules or hooks recompiles).
-This pass then looks, in the graph Dynamo traced, for the runs of nodes that each block unit produced
-(``is_block`` picks them by the ``nn_module_stack`` entry of the block), and compares them: two runs
-that are the same program — the same ops in the same order, the same constants (``-0.0`` is not
-``0.0``), reading their inputs in the same pattern, inputs of the same shape, stride, dtype, device and
-``requires_grad`` — compute the same function of their inputs. Each set of two or more such runs
-becomes one body, called once per run::
+NOTE [outlining by proof]: Dynamo traces every block inline (its guards cover every block as plain
+``torch.compile``'s do). This pass finds the run of nodes each block unit produced (``is_block`` picks
+them by ``nn_module_stack``) and compares them: runs with the same ops in the same order, the same
+constants (``-0.0`` is not ``0.0``), the same pattern of input reads, inputs of the same shape, stride,
+dtype, device and ``requires_grad`` compute the same function. Two or more such runs share a body::
 
     before:  a0 = linear(x, w0); h0 = tanh(a0)    a1 = linear(h0, w1); h1 = tanh(a1)
     after:   body(x, w): a = linear(x, w); return (tanh(a),)
              h0 = invoke_subgraph(body, 'fsdp_block_0', x, w0)[0];  h1 = invoke_subgraph(body, ..., h0, w1)[0]
 
-Nothing is assumed from a block's class: blocks of one class whose forward does anything differently
-(another activation module, a hook, an attribute, a config value, a table keyed by the block) trace to
-different graphs and keep their own code. A run is left inline when a body could not reproduce it
-exactly: it writes in place to a value it reads from outside, it hands out a value that aliases one of
-its inputs or another of its outputs, it produces a non-tensor value used outside, it switches grad
-mode or autocast, or it calls a module or another higher-order op.
+Nothing is assumed from a block's class. A run stays inline when a body could not reproduce it exactly:
+it writes in place to an outside value, outputs a value aliasing an input or another output, outputs a
+non-tensor, switches grad mode or autocast, or calls a module or another higher-order op.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..predicates import example_value
 
 __all__ = ["BLOCK_BODY_PREFIX", "block_runs", "outline_blocks_pass"]
 
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 BLOCK_BODY_PREFIX = "fsdp_block_"
 
-# Calls that change global state for the nodes after them (grad mode, autocast): a body must not hold them.
+# Calls that change global state (grad mode, autocast) for the nodes after them.
 _STATEFUL = {"_set_grad_enabled", "_enter_autocast", "_exit_autocast"}
 
 
@@ -50,8 +46,8 @@ def _block_of(node: fx.Node, is_block: Callable[[type], bool]) -> str | None:
 
 
 def block_runs(gm: fx.GraphModule, is_block: Callable[[type], bool]) -> list[list[fx.Node]]:
-    """The maximal runs of consecutive computing nodes traced in one block unit, in graph order
-    (``get_attr`` nodes between them neither join nor break a run)."""
+    """The maximal runs of consecutive computing nodes traced in one block unit (``get_attr`` nodes neither
+    join nor break a run)."""
     runs: list[list[fx.Node]] = []
     current: str | None = None
     for node in gm.graph.nodes:
@@ -67,7 +63,7 @@ def block_runs(gm: fx.GraphModule, is_block: Callable[[type], bool]) -> list[lis
 
 
 def _constant(value: object) -> Hashable:
-    """A key equal for two arguments exactly when they are the same constant (by type and value)."""
+    """A key equal for two arguments exactly when they are the same constant, by type and value."""
     if isinstance(value, float):
         return ("float", math.copysign(1.0, value), value if not math.isnan(value) else "nan")
     if isinstance(value, (bool, int, str, type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout,
@@ -93,8 +89,8 @@ def _value_key(value: object) -> Hashable | None:
 
 
 class _Run:
-    """One block's run of nodes: its inputs (outside values it reads, in order of first use), its
-    outputs (its values read after it), and the key that decides which runs share a body."""
+    """One block's run of nodes: its inputs (in order of first use), its outputs (values read after it) and
+    the key that decides which runs share a body."""
 
     def __init__(self, gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
         self.nodes = nodes
@@ -108,7 +104,7 @@ class _Run:
             nonlocal refused
             if isinstance(value, fx.Node):
                 if value not in local:
-                    if value.op == "get_attr" and not isinstance(_attr(gm, value), torch.Tensor):
+                    if value.op == "get_attr" and not isinstance(_example(gm, value), torch.Tensor):
                         refused = True  # a nested body or a module: not a body input
                     local[value] = ("in", len(self.inputs))
                     self.inputs.append(value)
@@ -135,8 +131,8 @@ class _Run:
                                                            tuple(local[n] for n in self.outputs))
 
     def _exact(self, gm: fx.GraphModule) -> bool:
-        """Whether a body reproduces the run: tensor outputs that alias no input and no other output,
-        and no in-place write to an input (or a view of one)."""
+        """Whether a body reproduces the run: tensor outputs aliasing no input or other output, and no
+        in-place write to an input."""
         taken = {s for n in self.inputs for s in _storages(_example(gm, n))}
         for node in self.nodes:
             if _mutates(node) and any(s in taken for s in _storages(_example(gm, node.args[0]))):
@@ -152,23 +148,19 @@ class _Run:
         return True
 
 
-def _attr(gm: fx.GraphModule, node: fx.Node) -> object:
+def _example(gm: fx.GraphModule, node: object) -> object:
+    """The value of an argument: a constant's own, an attribute's, a node's traced value."""
+    if not isinstance(node, fx.Node):
+        return node
+    if node.op != "get_attr":
+        return example_value(node)
     value: object = gm
     for part in str(node.target).split("."):
         value = getattr(value, part, None)
     return value
 
 
-def _example(gm: fx.GraphModule, node: object) -> object:
-    if not isinstance(node, fx.Node):
-        return node
-    if node.op == "get_attr":
-        return _attr(gm, node)
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
 def _storages(value: object) -> set[StorageWeakRef]:
-    """The storage a tensor value lives in (none for other values, or where it has none to read)."""
     if not isinstance(value, torch.Tensor):
         return set()
     try:
@@ -186,7 +178,7 @@ def _mutates(node: fx.Node) -> bool:
 
 
 def _body(gm: fx.GraphModule, run: _Run, renamed: dict[fx.Node, fx.Node]) -> fx.GraphModule:
-    """The body: ``run``'s nodes reading placeholders (``renamed``: as in :func:`_call`)."""
+    """The body: ``run``'s nodes reading placeholders."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(run.inputs):
@@ -199,12 +191,12 @@ def _body(gm: fx.GraphModule, run: _Run, renamed: dict[fx.Node, fx.Node]) -> fx.
 
 
 def _call(gm: fx.GraphModule, run: _Run, name: str, renamed: dict[fx.Node, fx.Node]) -> None:
-    """Replace ``run``'s nodes by a call of the body ``name`` and a ``getitem`` per output; ``renamed``:
-    the ``getitem`` that stands for each output of a run replaced before (and now of this one)."""
+    """Replace ``run``'s nodes by a call of body ``name`` and a ``getitem`` per output; ``renamed``: the
+    ``getitem`` standing for each output of the runs replaced so far."""
     first = run.nodes[0]
     inputs = [renamed.get(n, n) for n in run.inputs]
     for node in inputs:
-        if node.op == "get_attr":  # (a constant fetched between the run's nodes) defined before the call
+        if node.op == "get_attr":  # a constant fetched between the run's nodes: before the call
             first.prepend(node)
     with gm.graph.inserting_before(first):
         attr = gm.graph.get_attr(name)
@@ -221,21 +213,15 @@ def _call(gm: fx.GraphModule, run: _Run, name: str, renamed: dict[fx.Node, fx.No
         gm.graph.erase_node(node)
 
 
-def _alike(runs: list[_Run]) -> Iterator[list[_Run]]:
-    """The runs that share a key, for each key two or more runs share."""
-    by_key: dict[Hashable, list[_Run]] = {}
-    for run in runs:
-        if run.key is not None:
-            by_key.setdefault(run.key, []).append(run)
-    yield from (same for same in by_key.values() if len(same) >= 2)
-
-
 def outline_blocks_pass(gm: fx.GraphModule, *, is_block: Callable[[type], bool]) -> fx.GraphModule:
     """(NOTE [outlining by proof]) The block runs of ``gm`` that are the same program share one
     ``invoke_subgraph`` body; every other run stays inline."""
-    runs = [_Run(gm, nodes) for nodes in block_runs(gm, is_block)]
+    by_key: dict[Hashable, list[_Run]] = {}
+    for run in [_Run(gm, nodes) for nodes in block_runs(gm, is_block)]:
+        if run.key is not None:
+            by_key.setdefault(run.key, []).append(run)
     renamed: dict[fx.Node, fx.Node] = {}
-    for index, same in enumerate(_alike(runs)):
+    for index, same in enumerate(same for same in by_key.values() if len(same) >= 2):
         name = f"{BLOCK_BODY_PREFIX}{index}"
         setattr(gm, name, _body(gm, same[0], renamed))
         for run in same:

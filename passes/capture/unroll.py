@@ -1,24 +1,18 @@
 """Unroll a ``scan`` that reads sharded parameters into one ``invoke_subgraph`` call of its body per iteration.
 
 NOTE [unrolled stacks]: a ``BlockStack`` (``fsdp_compile/api/stack.py``) reaches the backend as one ``scan``
-whose body is one block and whose inputs are every block's parameters, stacked per role: Dynamo traced
-the block once, however deep the stack. Run as a loop, an iteration could not leave a collective in
-flight into the next one, so nothing would be prefetched and no reduce-scatter would overlap the next
-block's backward. This pass, run on Dynamo's graph before AOTAutograd, makes the loop what an outlined
-model is made of (NOTE [outlined units] in ``fsdp_compile/api/module.py``): one call of one body per block,
-each reading its own block's parameters. The body is then partitioned once and compiled once, the
-markers move out of it to the calls (``hoist.py``), and the scheduling passes place every block's
-collectives across blocks::
+over every block's parameters, stacked per role. As a loop, no collective could be in flight across
+iterations (no prefetch, no overlapped reduce-scatter). Unrolled, it is what an outlined model is made of
+(NOTE [outlined units] in ``fsdp_compile/api/module.py``): one call of one body per block::
 
     before:  W_a = stack([a0, a1]); W_b = stack([b0, b1])
              h2 = scan(body, [h0], [W_a, W_b], [c])[0]
     after:   h1 = invoke_subgraph(body, 'id', h0, a0, b0, c)[0]
              h2 = invoke_subgraph(body, 'id', h1, a1, b1, c)[0]
 
-A row of a stack built in the graph is the tensor it was built from, so no stack is left and nothing
-is copied; a row of any other tensor is its ``unbind``, whose gradient is one ``stack``. Per-iteration
-outputs (``ys``) are stacked again. A scan that reads no sharded parameter and loops over a tensor the
-graph did not stack (a user's own loop over time steps) stays a loop.
+A row of a stack built in the graph is the tensor it was built from; a row of any other tensor is its
+``unbind``. Per-iteration outputs are stacked again. A scan reading no sharded parameter over a tensor the
+graph did not stack (a user's loop over time steps) stays a loop.
 """
 
 from __future__ import annotations
@@ -31,17 +25,13 @@ import torch
 from torch import fx
 
 from .._compat import FakeTensor
-from ..predicates import is_unshard
+from ..predicates import example_value, is_unshard
 from ..subgraphs import fresh_value, holds
 
 __all__ = ["unroll_scans_pass"]
 
 _scan = torch.ops.higher_order.scan
 _invoke_subgraph = torch.ops.higher_order.invoke_subgraph
-
-
-def _example(node: fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def _with_example(node: fx.Node, value: Any) -> fx.Node:
@@ -59,7 +49,7 @@ def _fake(fn: Callable[..., Any], value: Any) -> Any:
 
 
 def _stacked_from(node: fx.Node) -> list[fx.Node] | None:
-    """``torch.stack([t0, t1, ...])`` (along dim 0): the tensors a stack was built from."""
+    """``[t0, t1, ...] -> torch.stack(dim=0)``: the tensors a stack was built from."""
     if node.op != "call_function" or node.target is not torch.stack:
         return None
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
@@ -74,7 +64,8 @@ def _rows(graph: fx.Graph, x: fx.Node, length: int) -> list[fx.Node]:
     stacked = _stacked_from(x)
     if stacked is not None and len(stacked) == length:
         return stacked
-    unbound = _with_example(graph.call_function(torch.unbind, (x, 0)), _fake(lambda t: torch.unbind(t, 0), _example(x)))
+    unbound = _with_example(graph.call_function(torch.unbind, (x, 0)),
+                            _fake(lambda t: torch.unbind(t, 0), example_value(x)))
     values = unbound.meta.get("example_value")
     return [_with_example(graph.call_function(operator.getitem, (unbound, i)), values[i] if values else None)
             for i in range(length)]
@@ -84,8 +75,8 @@ def _unroll(gm: fx.GraphModule, scan: fx.Node, identifier: str) -> None:
     attr, init, xs, additional = scan.args
     assert isinstance(attr, fx.Node) and isinstance(init, (list, tuple)) and isinstance(xs, (list, tuple))
     graph = gm.graph
-    length = _example(xs[0]).shape[0]  # type: ignore[arg-type]
-    out_values = list(_example(scan))
+    length = example_value(xs[0]).shape[0]  # type: ignore[arg-type]
+    out_values = list(example_value(scan))
     n_carry = len(init)
     carry_values, ys_values = out_values[:n_carry], out_values[n_carry:]
     y_values = [_fake(lambda t: t[0], y) for y in ys_values]
@@ -110,34 +101,22 @@ def _unroll(gm: fx.GraphModule, scan: fx.Node, identifier: str) -> None:
     for node in [attr, *xs]:  # the body's attribute, and the stacks only the loop read
         if isinstance(node, fx.Node) and node.op in ("get_attr", "call_function") and not node.users:
             graph.erase_node(node)
-    _returns_tuple(getattr(gm, str(attr.target)))
-
-
-def _returns_tuple(body: fx.GraphModule) -> None:
-    """A scan's body returns a list (the carry, then per-iteration outputs); a called body a tuple."""
-    (output,) = body.graph.find_nodes(op="output")
-    if isinstance(output.args[0], list):
+    module = getattr(gm, str(attr.target))
+    (output,) = module.graph.find_nodes(op="output")
+    if isinstance(output.args[0], list):  # a scan's body returns a list, a called body a tuple
         output.args = (tuple(output.args[0]),)
-        body.recompile()
-
-
-def _unrolled(gm: fx.GraphModule, scan: fx.Node) -> bool:
-    """Unroll a scan whose body reads a sharded parameter, or whose inputs were all stacked in the graph
-    (a ``BlockStack`` of unsharded blocks): its rows exist as tensors already."""
-    body = getattr(gm, str(scan.args[0].target))  # type: ignore[union-attr]
-    xs = scan.args[2]
-    return holds(body, is_unshard) or all(isinstance(x, fx.Node) and _stacked_from(x) for x in xs)  # type: ignore[union-attr]
+        module.recompile()
 
 
 def unroll_scans_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """(NOTE [unrolled stacks]) Each ``scan`` of ``gm`` whose body reads a sharded parameter, or whose
-    inputs the graph stacked, becomes one ``invoke_subgraph`` call of its body per iteration; the calls
-    of one body share one identifier. Other scans stay loops."""
+    """(NOTE [unrolled stacks]) Each ``scan`` whose body reads a sharded parameter, or whose inputs the graph
+    stacked, becomes one ``invoke_subgraph`` call per iteration, all with one identifier."""
     for scan in list(gm.graph.find_nodes(op="call_function", target=_scan)):
         attr = scan.args[0]
         if scan.kwargs or not isinstance(attr, fx.Node) or attr.op != "get_attr":
-            continue  # (Dynamo passes a scan's operands positionally, its body as an attribute)
-        if _unrolled(gm, scan):
+            continue  # (Dynamo passes operands positionally, the body as an attribute)
+        stacked = (isinstance(x, fx.Node) and _stacked_from(x) for x in scan.args[2])  # type: ignore[union-attr]
+        if holds(getattr(gm, str(attr.target)), is_unshard) or all(stacked):
             _unroll(gm, scan, f"unrolled_{attr.target}")
     gm.graph.lint()
     gm.recompile()

@@ -1,45 +1,26 @@
 """Lower every marker to collectives: one all-gather and one reduce-scatter per unit and graph.
 
-NOTE [one lowering]: a graph AOTAutograd hands on reads parameters through one marker op, of one piece or
-several (NOTE [flat markers] in ``capture/group_markers.py``): a flat marker, every parameter of a flat
-unit that one outlined call (or the unit's inline code) reads, and a marker of one piece, for a unit not
-laid out flat. This pass gathers the markers' parameters into *buckets* and writes one collective per
-bucket (``bucket.py``):
+NOTE [one lowering]: markers of several pieces (flat markers, NOTE [flat markers] in
+``capture/group_markers.py``) or of one are lowered in *buckets*, one collective each (``bucket.py``): a
+flat marker is one bucket (its flat shard gathered as it is, the reduce-scatter's output its gradient);
+a unit's one-piece markers are one bucket per graph, group and dtype, reduce-scatters in stretches (NOTE
+[gradients in stretches]); a large parameter (NOTE [large params alone]) or one whose one-rank collectives
+are elided goes alone. An all-gather goes where its bucket's first marker was, a reduce-scatter where the
+last was, and ``reorder`` moves the readers after them. Gathers are lowered first (stretches split at them).
 
-- a flat marker is one bucket: its flat shard gathered as it is, the reduce-scatter's output the flat's
-  gradient as it is;
-- the markers of one piece of a unit are one bucket per graph (one group, one dtype), in graph order; a
-  reduce-scatter bucket is split into stretches (NOTE [gradients in stretches]);
-- a parameter large enough goes alone (NOTE [large params alone]), and so does every parameter of a
-  group of one rank whose collectives are elided: only its casts remain.
+NOTE [large params alone]: a dim-0 shard's own all-gather output *is* the full parameter and its own
+reduce-scatter output its shard's gradient: alone it needs no pack or unpack copy (in a bucket at world
+size above 1 every member's rows are strided). With ``alone_bytes``, members of at least that full size
+keep their own collectives; the rest share one. HSDP buckets keep every member, and so does a reduction
+that casts: the cast writes each gradient into its slice anyway, so alone would only add launches.
 
-An all-gather bucket goes where its first member's marker was, a reduce-scatter where its last one was;
-``order.reorder`` then moves each member's readers after the bucket. Gathers are lowered first: a
-stretch ends before a gradient that needs a gather the earlier ones do not.
-
-NOTE [large params alone]: a parameter is stored as a dim-0 shard, so its own all-gather's output *is*
-the full parameter (rank-major rows) and its own reduce-scatter's output is its shard's gradient: alone,
-it needs neither a pack nor an unpack copy (in a bucket, world > 1 makes every member's gathered rows
-strided, copied out to be used). With ``alone_bytes`` set, a member whose full size is at least that
-many bytes keeps its own collective; the smaller ones share the bucket, where one launch pays for them
-all. HSDP buckets keep every member, and so does a reduction that casts (``reduce_dtype`` other than the
-gradient's dtype): the cast it needs anyway writes each gradient straight into its slice of the bucket,
-so alone it would save no copy, and a flat shard's bucket output *is* its gradient where alone pieces
-are copied together again; what alone would cost is a launch per parameter, host time that a backward
-of large matmuls cannot spare (docs/performance.md).
-
-NOTE [gradients in stretches]: a unit's gradients usually exist together, in its own stretch of
-backward. A unit that holds others (the root) does not: its output head's gradient exists at the start
-of backward, its embedding's at the end, with every block's backward between. Its reduce-scatter
-members are split where another unit's reduce-scatter comes between two of them in graph order, and
-each stretch is a bucket of its own, launched as soon as that stretch exists
-(``schedule/reduce_scatter.py``). In such a unit a stretch is split too before a member whose gradient
-needs an all-gather that the members before it do not: the head's weight gradient needs only the loss's
-gradient and the saved input, the final norm's needs the head's gathered weight, and in one bucket the
-head's reduce-scatter would wait for that gather at the start of backward, while the reduce-scatter
-link has nothing else to do. A flat marker's gradient is one tensor, never split, so ``fully_shard`` gives
-each parameter of a unit that holds others a flat of its own (``flat_shard.py``): its markers have one
-piece each.
+NOTE [gradients in stretches]: a unit that holds others (the root) has gradients at both ends of backward
+(output head first, embedding last). Its reduce-scatter members are split where another unit's marker
+comes between, each stretch a bucket launched as soon as it exists (``schedule/reduce_scatter.py``); a
+stretch is split too before a member that needs an all-gather the earlier members do not (the head's
+weight gradient needs none, the final norm's needs the head's weight: one bucket would wait for that
+gather). A flat marker's gradient is never split, so ``fully_shard`` gives each parameter of such a unit
+a flat of its own (``flat_shard.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +33,7 @@ import torch
 from torch import fx
 
 from ..graph_ops import NAMES_SEP, numel, unflatten_shapes
-from ..order import reorder
+from ..order import positions, reorder
 from ..predicates import flat_piece, gathers_needed, is_reduce_grad, is_unshard, schema_args
 from ..splice import splice
 from .bucket import splice_gather, splice_reduce
@@ -63,7 +44,6 @@ __all__ = ["lower_markers_pass"]
 @dataclass
 class _Member:
     """One parameter of a marker: one of its pieces."""
-
     marker: fx.Node
     grouped: bool  # the marker reads several pieces: a flat shard, cut into them
     name: str
@@ -84,10 +64,12 @@ def _members(node: fx.Node, a: dict[str, object], gather: bool) -> list[_Member]
                 for n, s, g in zip(names, shards, a["grads"])]  # type: ignore[call-overload]
     items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
     assert len(items) == len(node.users), f"{node.name}: read other than by index"
+    fulls = unflatten_shapes(a["ranks"], a["dims"])  # type: ignore[arg-type]
     out, offset = [], 0
-    for i, (n, s, full) in enumerate(zip(names, shards, unflatten_shapes(a["ranks"], a["dims"]))):  # type: ignore[arg-type]
+    for i, (n, s, full) in enumerate(zip(names, shards, fulls)):
         if i in items:
-            out.append(_Member(node, grouped, n, tuple(full), numel(s), a["shard"], offset, tuple(s), items[i]))  # type: ignore[arg-type]
+            out.append(_Member(node, grouped, n, tuple(full), numel(s), a["shard"],  # type: ignore[arg-type]
+                               offset, tuple(s), items[i]))
         offset += numel(s)
     return out
 
@@ -98,8 +80,7 @@ def _dtype(m: _Member, a: dict[str, object], gather: bool) -> torch.dtype:
 
 
 def _buckets(gm: fx.GraphModule, gather: bool) -> list[tuple[dict[str, object], list[_Member]]]:
-    """Each marker's members, one list per bucket: a flat marker's alone, a unit's markers of one piece
-    together (per group and dtype), in graph order; reduce-scatters in stretches."""
+    """The markers' members, one list per bucket (NOTE [one lowering]), with the arguments of its first marker."""
     is_marker = is_unshard if gather else is_reduce_grad
     runs: dict[tuple, list[list[_Member]]] = {}
     args: dict[tuple, dict[str, object]] = {}
@@ -173,7 +154,7 @@ def _meta(a: dict[str, object], part: list[_Member], kind: str, casts: bool = Fa
 def _lower_gathers(gm: fx.GraphModule, hoist: dict[fx.Node, fx.Node], *, elide: bool,
                    rank_of: Callable[[str], int] | None, alone_bytes: int | None) -> None:
     pieces: list[tuple[list[fx.Node], dict[str, object]]] = []
-    position = _position(gm)  # (splicing keeps the markers' order)
+    position = positions(gm.graph).__getitem__  # (splicing keeps the markers' order)
     for a, members in _buckets(gm, gather=True):
         world, group = int(a["world_size"]), str(a["ag_group"])  # type: ignore[call-overload]
         dtype = _dtype(members[0], a, gather=True)
@@ -184,7 +165,8 @@ def _lower_gathers(gm: fx.GraphModule, hoist: dict[fx.Node, fx.Node], *, elide: 
             inputs = [part[0].input] if flat else [m.input for m in part]
             first = min((m.marker for m in part), key=position)
             inserted: list[fx.Node] = []
-            outs = splice_gather(gm.graph, inputs, before=first, meta=_meta(a, part, "all_gather"), world=world,
+            meta = _meta(a, part, "all_gather")
+            outs = splice_gather(gm.graph, inputs, before=first, meta=meta, world=world,
                                  group=group, sizes=[m.size for m in part], shapes=[m.shape for m in part],
                                  dtype=dtype, rank=rank_of(group) if rank_of is not None and len(part) > 1 else None,
                                  elide=elide, cuts=cuts, whole=whole, inserted=inserted)
@@ -196,7 +178,7 @@ def _lower_gathers(gm: fx.GraphModule, hoist: dict[fx.Node, fx.Node], *, elide: 
                 for x in inputs:
                     for n in _ancestors(x):
                         hoist.setdefault(n, inserted[0])
-            pieces.append((inputs, _meta(a, part, "all_gather")))
+            pieces.append((inputs, meta))
         for marker in {m.marker: None for m in members}:
             _erase_with_items(marker)
     for marker in [n for n in gm.graph.nodes if is_unshard(n)]:
@@ -212,7 +194,7 @@ def _erase_with_items(marker: fx.Node) -> None:
 
 
 def _lower_reduces(gm: fx.GraphModule, *, elide: bool, alone_bytes: int | None) -> None:
-    position = _position(gm)  # (splicing keeps the markers' order)
+    position = positions(gm.graph).__getitem__
     for a, members in _buckets(gm, gather=False):
         world, group = int(a["world_size"]), str(a["rs_group"])  # type: ignore[call-overload]
         dtype = _dtype(members[0], a, gather=False)
@@ -224,16 +206,16 @@ def _lower_reduces(gm: fx.GraphModule, *, elide: bool, alone_bytes: int | None) 
         results: dict[int, fx.Node] = {}
         for part in parts:
             last = max((m.marker for m in part), key=position)
-            outs = splice_reduce(gm.graph, [m.input for m in part], before=last, meta=_meta(a, part, "reduce_scatter",
-                                 casts), world=world, group=group, sizes=[m.size for m in part],
-                                 shapes=[m.shape for m in part], dtype=dtype, replicate_group=str(a["replicate_group"]),
-                                 divisor=ranks if ranks > 1 else None, out_dtype=a["out_dtype"],  # type: ignore[arg-type]
-                                 elide=elide, whole=whole)
+            outs = splice_reduce(gm.graph, [m.input for m in part], before=last,
+                                 meta=_meta(a, part, "reduce_scatter", casts), world=world, group=group,
+                                 sizes=[m.size for m in part], shapes=[m.shape for m in part], dtype=dtype,
+                                 replicate_group=str(a["replicate_group"]), divisor=ranks if ranks > 1 else None,
+                                 out_dtype=a["out_dtype"], elide=elide, whole=whole)  # type: ignore[arg-type]
             if whole:
                 (results[0],) = outs
             else:
                 results.update((id(m), out) for m, out in zip(part, outs))
-        if flat:  # the flat's gradient: the bucket's output whole, or the parts' outputs together
+        if flat:  # the flat's gradient: the bucket's output, or the parts' outputs concatenated
             marker = members[0].marker
             grad = results[0] if whole else splice(gm.graph, lambda *gs: [torch.cat([g.reshape(-1) for g in gs])],
                                                    [results[id(m)] for m in members], before=marker)[0]
@@ -243,11 +225,6 @@ def _lower_reduces(gm: fx.GraphModule, *, elide: bool, alone_bytes: int | None) 
         for m in members:  # (one piece: its gradient in the shard's shape)
             m.marker.replace_all_uses_with(results[id(m)])
             gm.graph.erase_node(m.marker)
-
-
-def _position(gm: fx.GraphModule) -> Callable[[fx.Node], int]:
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return index.__getitem__
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node]:
@@ -263,8 +240,8 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
 
 
 def _tag_pieces(inputs: list[fx.Node], meta: dict[str, object]) -> None:
-    """A piece of a flat shard (``narrow`` and ``view`` of a graph input) that only this collective reads
-    gets its annotations: part of its prologue, it moves with it (``schedule/prefetch.py``)."""
+    """Tag each piece of a flat shard (``narrow`` and ``view``) that only this collective reads as part of
+    its prologue."""
     for x in inputs:
         piece = flat_piece(x)
         if piece is None or any(len(n.users) != 1 or n.meta.get("fsdp") for n in piece[3]):
@@ -273,14 +250,13 @@ def _tag_pieces(inputs: list[fx.Node], meta: dict[str, object]) -> None:
             n.meta["fsdp"] = {k: v for k, v in meta.items() if k in ("kind", "unit", "ag_group", "rs_group")}
 
 
-def lower_markers_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True, rank_of: Callable[[str], int] | None = None,
-                       alone_bytes: int | None = None) -> fx.GraphModule:
-    """(NOTE [one lowering]) Every ``fsdp::`` marker of ``gm`` replaced by its bucket's collectives.
+def lower_markers_pass(gm: fx.GraphModule, *, elide_single_rank: bool = True,
+                       rank_of: Callable[[str], int] | None = None, alone_bytes: int | None = None) -> fx.GraphModule:
+    """(NOTE [one lowering]) Replace every marker of ``gm`` by its bucket's collectives.
 
-    ``elide_single_rank``: a group of one rank gets no collective (``False`` keeps it, to measure its
-    cost). ``rank_of(group_name)``: this rank's index in a group; given, a bucket is gathered in place
-    (NOTE [in-place all-gather] in ``bucket.py``). ``alone_bytes``: a parameter of at least this full size
-    keeps collectives of its own (NOTE [large params alone]); ``None``: every parameter shares its bucket."""
+    ``elide_single_rank``: a group of one rank gets no collective. ``rank_of(group_name)``: this rank's
+    index in a group, to gather buckets in place (NOTE [in-place all-gather] in ``bucket.py``).
+    ``alone_bytes``: NOTE [large params alone] (``None``: every parameter shares its bucket)."""
     hoist: dict[fx.Node, fx.Node] = {}
     _lower_gathers(gm, hoist, elide=elide_single_rank, rank_of=rank_of, alone_bytes=alone_bytes)
     _lower_reduces(gm, elide=elide_single_rank, alone_bytes=alone_bytes)

@@ -1,21 +1,17 @@
 """Move a unit's bucket copies into the outlined body that uses them.
 
-NOTE [copies inside bodies]: after scheduling, an outlined unit's call reads its parameters one by one
-out of the gathered bucket, and its backward call's parameter gradients go one by one into the
-reduce-scatter bucket. Each of those values is an operand or an output of the call: per unit and per
-step, a dozen more tensors for the outer graph to lower and the generated code to pass around. The
-copies move into the (shared) body instead, which then takes the gathered bucket and returns the packed
-gradients::
+NOTE [copies inside bodies]: after scheduling, an outlined call reads each parameter out of the gathered
+bucket and its backward's gradients go one by one into the reduce-scatter bucket: a dozen more values per
+unit for the outer graph to lower and pass around. The copies move into the shared body instead, which
+then takes the gathered bucket and returns the packed gradients::
 
     before:  w = wait(all_gather); p = copy_out_rows(w); out = invoke_subgraph(body, x, p[0], .., p[8])
              g = out[1..9]; rs = reduce_scatter(pack_rows([g...]))
     after:   w = wait(all_gather); out = invoke_subgraph(body', x, w)
              rs = reduce_scatter(out[1])       body'(x, w): p = copy_out_rows(w); ...; return pack_rows([g...])
 
-A unit's copies move only when every call of the body has them alike (the same ops, constants and
-operand positions) and nothing else reads what they produce; otherwise the graph is left as it is. The
-collectives, their waits and their order do not change; a listing no longer shows the moved copies as
-``unpack`` and ``pack`` rows (they run inside the call).
+Only where every call of the body has the copies alike (ops, constants, operand positions) and nothing
+else reads what they produce. Collectives and their order do not change.
 """
 
 from __future__ import annotations
@@ -27,18 +23,16 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ..order import positions
 from ..predicates import is_wait
 from ..subgraphs import subgraph_calls
 
 __all__ = ["absorb_copies_pass"]
 
-invoke_subgraph = torch.ops.higher_order.invoke_subgraph
-
 
 @dataclass
 class _Inputs:
-    """One gathered bucket's copies feeding one call: the wait, the copy nodes, the operand positions."""
-
+    """One gathered bucket's copies feeding one call."""
     wait: fx.Node
     nodes: list[fx.Node]  # outer graph order
     positions: dict[int, fx.Node]  # operand position -> the copy node it reads
@@ -46,14 +40,13 @@ class _Inputs:
 
 @dataclass
 class _Pack:
-    """One packing of the call's outputs for a reduce-scatter."""
-
+    """One pack of the call's outputs for a reduce-scatter."""
     node: fx.Node
     indices: list[int]  # the call's output indices, in the pack's input order
 
 
 def _copies(node: fx.Node) -> set[fx.Node]:
-    """``wait -> <tagged copies> -> node``: the tagged nodes between a wait and ``node``, inclusive."""
+    """``wait -> tagged copies -> node``: the copies, ``node`` included (none if it reads anything else)."""
     found: set[fx.Node] = set()
     stack = [node]
     while stack:
@@ -61,7 +54,7 @@ def _copies(node: fx.Node) -> set[fx.Node]:
         if n in found:
             continue
         if n.op != "call_function" or is_wait(n) or not n.meta.get("fsdp"):
-            return set()  # reads something else than one wait's copies
+            return set()
         found.add(n)
         stack.extend(i for i in n.all_input_nodes if not is_wait(i))
     return found
@@ -91,7 +84,7 @@ def _inputs(call: fx.Node, order: dict[fx.Node, int]) -> list[_Inputs]:
 
 
 def _packs(call: fx.Node) -> list[_Pack]:
-    """Pack nodes that read only outputs of ``call``, each output read by the pack alone."""
+    """``call -> getitem* -> pack_rows``: packs of outputs of ``call`` that only the pack reads."""
     packs: dict[fx.Node, None] = {}
     for item in call.users:
         for user in item.users:
@@ -102,9 +95,8 @@ def _packs(call: fx.Node) -> list[_Pack]:
         grads = pack.args[0]
         if not isinstance(grads, (list, tuple)) or not pack.meta.get("fsdp"):
             continue
-        ok = all(isinstance(g, fx.Node) and g.target is operator.getitem and g.args[0] is call
-                 and list(g.users) == [pack] for g in grads)
-        if ok:
+        if all(isinstance(g, fx.Node) and g.target is operator.getitem and g.args[0] is call
+               and list(g.users) == [pack] for g in grads):
             out.append(_Pack(pack, [int(g.args[1]) for g in grads]))  # type: ignore[union-attr]
     return out
 
@@ -128,9 +120,9 @@ def _signature(inputs: Sequence[_Inputs], packs: Sequence[_Pack]) -> object:
             tuple((tuple(p.indices), repr(p.node.args[1:]), repr(p.node.kwargs)) for p in packs))
 
 
-def _new_body(body: fx.GraphModule, inputs: Sequence[_Inputs], packs: Sequence[_Pack]) -> tuple[fx.GraphModule, list[int]]:
-    """``body`` with the copies inside; and, for each of its new outputs, the old output index (-1 - p
-    for pack ``p``)."""
+def _new_body(body: fx.GraphModule, inputs: Sequence[_Inputs], packs: Sequence[_Pack]
+              ) -> tuple[fx.GraphModule, list[int]]:
+    """``body`` with the copies inside, and each new output's old index (``-1 - p`` for pack ``p``)."""
     graph = fx.Graph()
     old_inputs = list(body.graph.find_nodes(op="placeholder"))
     absorbed = {k for g in inputs for k in g.positions}
@@ -178,7 +170,7 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, attr: str, inputs: Sequence[_Inp
         getter = graph.get_attr(attr)
     old_attr = call.args[0]
     call.args = (getter, call.args[1], *operands)
-    call.meta.pop("eager_input_vals", None)  # AOTAutograd's record of the old operands (Inductor reads it)
+    call.meta.pop("eager_input_vals", None)  # the old operands' values, which Inductor would read
     if isinstance(old_attr, fx.Node) and not old_attr.users:
         graph.erase_node(old_attr)
     new_index = {old: new for new, old in enumerate(order)}
@@ -191,7 +183,7 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, attr: str, inputs: Sequence[_Inp
     for j, p in enumerate(packs):
         with graph.inserting_after(call):
             item = graph.call_function(operator.getitem, (call, new_index[-1 - j]))
-        item.meta["val"] = p.node.meta.get("val")  # an output of the call (no region's copy any more)
+        item.meta["val"] = p.node.meta.get("val")
         grads = list(p.node.args[0])  # type: ignore[arg-type]
         p.node.replace_all_uses_with(item)
         graph.erase_node(p.node)
@@ -204,16 +196,14 @@ def _rewrite(gm: fx.GraphModule, call: fx.Node, attr: str, inputs: Sequence[_Inp
 
 
 def absorb_copies_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """(NOTE [copies inside bodies]) Move each outlined unit's bucket copies into its body, where every
-    call of the body allows it."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    """(NOTE [copies inside bodies]) Move each outlined unit's bucket copies into its body where every call
+    allows it."""
+    order = positions(gm.graph)
     for name, calls in subgraph_calls(gm).items():
         plans = [(_inputs(c, order), _packs(c)) for c in calls]
-        if not any(i or p for i, p in plans):
-            continue
-        if len({repr(_signature(i, p)) for i, p in plans}) != 1:
-            continue  # the calls differ: leave them
-        body, kept = _new_body(getattr(gm, name), *plans[0])  # (``order`` stays the graph's, for the next body)
+        if not any(i or p for i, p in plans) or len({repr(_signature(i, p)) for i, p in plans}) != 1:
+            continue  # nothing to move, or the calls differ
+        body, kept = _new_body(getattr(gm, name), *plans[0])
         staged = f"{name}_with_copies"
         gm.add_submodule(staged, body)
         for call, (inputs, packs) in zip(calls, plans):

@@ -1,23 +1,16 @@
 """Prefetch all-gathers: issue unit k+d's all-gather before unit k's compute, wait just before use.
 
-Units are taken in the order their gathered params are first used, which is forward order in the
-forward graph and reverse order in the backward graph, so one rule serves both. A unit with several
-all-gathers (NOTE [large params alone] in ``lower/markers.py``) moves them together: depth counts *groups*,
-each a run of consecutive all-gathers (by first use) of one unit, so a unit used in two places (a root
-holding the embedding and the output head) is gathered in two groups, each as late as its use allows::
+Units are taken in the order of their gathered parameters' first use (forward order in the forward graph,
+reverse in the backward), and depth counts *groups*: runs of one unit's consecutive all-gathers (NOTE
+[large params alone] in ``lower/markers.py``); a unit used in two places is two groups::
 
     before:  [AG0 wait0] use0 ... [AG1 wait1] use1 ... [AG2 wait2] use2
     depth 1: AG0 AG1 wait0 use0 ... AG2 wait1 use1 ... wait2 use2
 
-The first ``depth`` groups have no group that far ahead of them: they launch before the graph's first
-compute, which they then run under. A backward's first group is the one this matters for: its graph
-begins with work that reads no gathered parameter (an output head's weight gradient is the incoming
-gradient times saved activations), as long as the all-gather that the rest of it waits for.
-
-``max_bytes`` caps the bytes gathered but not yet used (all-gather outputs issued whose first use has
-not come): a unit that would pass it is issued later (smaller depth for that unit), never earlier
-than depth 0. A single bucket larger than the cap still runs, at depth 0. Launches keep the order of
-first use, so on one communicator no all-gather queues behind one needed later.
+The first ``depth`` groups launch before the graph's first compute (a backward begins with work that
+needs no gathered parameter, such as the output head's weight gradient). ``max_bytes`` caps the bytes
+gathered but not yet used: a group that would pass it gets a smaller depth, down to 0 (where a bucket
+larger than the cap runs). Launches keep the order of first use: none queues behind one needed later.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from __future__ import annotations
 from torch import fx
 
 from ..collective_regions import Region, regions
-from ..order import positions, reorder
+from ..order import place, positions, reorder
 
 __all__ = ["prefetch_pass"]
 
@@ -50,26 +43,17 @@ def prefetch_pass(gm: fx.GraphModule, *, depth: int = 1, max_bytes: int | None =
     last_target = -1.0
     k = 0
     for i, group in enumerate(order):
-        d = min(depth, i + 1)  # d = i + 1: ahead of every group, before the graph's first compute
-        while d > 0 and _in_flight(order, i, min(d, i)) > cap:
+        d = min(depth, i + 1)  # i + 1: before the graph's first compute
+        # Output bytes gathered and not yet used if group i is issued d groups early.
+        while d > 0 and sum(r.out_bytes for g in order[i - min(d, i): i + 1] for r in g) > cap:
             d -= 1
-        # Before the compute of the group d places earlier; never before an earlier group's launch.
+        # Before the compute of the group d places earlier, never before an earlier group's launch.
         target = -1.0 if d > i else max(first_use[id(order[i - d][0])], last_target)
         last_target = target
         for r in group:
-            # Launches keep first-use order within (target - 0.5, target - 0.4), however many regions.
-            _place(keys, [*r.prologue, r.launch], target - 0.5 + 0.1 * k / len(gathers))
-            _place(keys, [r.wait, *r.epilogue], first_use[id(r)] - 0.25)
+            # Launches keep first-use order within (target - 0.5, target - 0.4).
+            place(keys, [*r.prologue, r.launch], target - 0.5 + 0.1 * k / len(gathers))
+            place(keys, [r.wait, *r.epilogue], first_use[id(r)] - 0.25)
             k += 1
     reorder(gm.graph, keys)
     return gm
-
-
-def _in_flight(order: list[list[Region]], i: int, d: int) -> int:
-    """Output bytes gathered and not yet used when group ``i`` is issued ``d`` groups early."""
-    return sum(r.out_bytes for group in order[i - d: i + 1] for r in group)
-
-
-def _place(keys: dict[fx.Node, float], nodes: list[fx.Node], key: float) -> None:
-    for j, n in enumerate(nodes):
-        keys[n] = key + j * 1e-6

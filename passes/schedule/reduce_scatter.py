@@ -1,26 +1,19 @@
 """Reduce-scatter scheduling: launch as soon as a unit's gradients exist, wait as late as memory allows.
 
-``schedule="eager"`` (the seed's change): each reduce-scatter region (pack, launch) goes right after the
-last node that produces one of its gradients; its wait (and unpack) sinks to just before the graph's
-outputs, all remaining waits together: the one end-of-backward barrier the optimizer orders after::
+``schedule="eager"``: each reduce-scatter region's pack and launch go right after the last node producing
+one of its gradients; the remaining waits (and unpacks) sink together to just before the outputs::
 
     grads of unit 2 -> RS2 | grads of unit 1 -> RS1 | grads of unit 0 -> RS0 | wait2 wait1 wait0 -> outputs
 
-An unwaited reduce-scatter keeps its input, a full-size gradient bucket, alive. ``max_bytes`` caps the
-input bytes in flight: before a launch that would pass it, the oldest waits are pulled in, just before
-that launch's pack. A single bucket larger than the cap still runs, alone in flight. ``"auto"`` keeps
-one unit's reduce-scatters in flight: they run under the next unit's backward and are waited just
-before that unit's pack (NOTE [one unit in flight]).
+An unwaited reduce-scatter keeps its input, a full-size gradient bucket, alive: ``max_bytes`` caps the
+input bytes in flight by pulling in the oldest waits before a launch's pack (a bucket larger than the cap
+runs alone); ``"auto"`` keeps one unit in flight (NOTE [one unit in flight]). HSDP: a unit's all-reduce
+across replicas launches right after its reduce-scatter's wait, pulled in before the next launch; the
+all-reduce waits sink to the end.
 
-HSDP: the all-reduce across replicas that follows a unit's reduce-scatter is launched right after
-that reduce-scatter's wait, which is pulled in before the next reduce-scatter launch (so the
-all-reduce runs under the next unit's backward); the all-reduce waits sink to the end.
-
-``schedule="delayed"`` (the seed's baseline, meant for one communicator): a unit's reduce-scatter is
-held back until the next unit's backward begins (just before the first use of the next all-gather's
-params, so after that all-gather was issued and waited), as eager FSDP's pre-backward hook flushes
-pending reductions; after the last unit it goes to the end of backward. Waits are placed the same way
-in both schedules.
+``schedule="delayed"`` (for one communicator): a unit's reduce-scatter waits for the next unit's backward
+to begin (the first use of the next all-gather's parameters), as eager FSDP's pre-backward hook flushes
+pending reductions; the last one goes to the end. Waits are placed as in ``"eager"``.
 """
 
 from __future__ import annotations
@@ -28,27 +21,23 @@ from __future__ import annotations
 from torch import fx
 
 from ..collective_regions import Region, regions
-from ..order import positions, reorder
+from ..order import place, positions, reorder
 
 __all__ = ["reduce_scatter_pass"]
 
 SCHEDULES = ("eager", "delayed")
 
 
-def reduce_scatter_pass(
-    gm: fx.GraphModule, *, schedule: str = "eager", max_bytes: int | str | None = "auto"
-) -> fx.GraphModule:
-    """Place reduce-scatter launches and waits (see module doc).
-
-    ``max_bytes``: the cap on input bytes in flight; ``None`` for no cap; ``"auto"`` for one unit's
-    reduce-scatters at a time (one bucket, or a unit's collectives together: NOTE [large params alone]).
+def reduce_scatter_pass(gm: fx.GraphModule, *, schedule: str = "eager",
+                        max_bytes: int | str | None = "auto") -> fx.GraphModule:
+    """Place reduce-scatter launches and waits (see module doc). ``max_bytes``: the cap on input bytes in
+    flight, ``None`` for none, ``"auto"`` for one unit's reduce-scatters at a time.
 
     NOTE [one unit in flight]: the reduce-scatters share one communicator, which runs one at a time, so a
-    second unit's bucket waiting behind the first moves no byte sooner; it only stays allocated. Waiting
-    for unit k's reduce-scatter just before unit k-1's pack leaves the link as busy (the pack is the only
-    gap) and holds one bucket, as FSDP2 does (it frees the previous reduce-scatter's input before the
-    next copy-in). A bytes cap of twice the largest unit let a large last unit (embedding and output
-    head) launch with several block buckets still alive, at the end of backward where memory peaks.
+    second unit's bucket queued behind the first moves no byte sooner and only stays allocated. Waiting for
+    unit k's reduce-scatter just before unit k-1's pack keeps the link as busy and holds one bucket, as
+    FSDP2 does. A bytes cap instead lets a large last unit (embedding and head) launch with several block
+    buckets alive, at the end of backward where memory peaks.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"reduce_scatter_pass: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -75,36 +64,33 @@ def reduce_scatter_pass(
         return sum(x.in_bytes for x in in_flight) + r.in_bytes > cap
 
     def retire(r: Region, at: float) -> None:
-        _place(keys, [r.wait, *r.epilogue], at)
+        place(keys, [r.wait, *r.epilogue], at)
         if id(r) in follow_up:  # HSDP: the all-reduce across replicas goes right after
             ar = follow_up[id(r)]
-            _place(keys, [*ar.prologue, ar.launch], at + 0.05)
+            place(keys, [*ar.prologue, ar.launch], at + 0.05)
             replicating.append(ar)
 
     for i, r in enumerate(order):
         launch_at = ready[id(r)] + 0.5
         if schedule == "delayed":
-            # Held until the next unit's backward starts (its gathered params' first use), or to
-            # the end of the graph when no unit follows.
             later = [p for p, unit in gather_uses if p > ready[id(r)] and unit != r.unit]
             launch_at = later[0] - 0.1 if later else end - 0.5
-        launch_at += 0.05 * i / len(order)  # launch order = readiness order, however many units
-        # Pull in the oldest waits while the cap is passed, and (HSDP) every wait an all-reduce
-        # follows, so that all-reduce overlaps the next unit's backward instead of the end.
+        launch_at += 0.05 * i / len(order)  # launch order = readiness order
+        # Pull in the oldest waits while over the cap, and (HSDP) every wait an all-reduce follows.
         while in_flight and (over_cap(r) or id(in_flight[0]) in follow_up):
             retire(in_flight.pop(0), launch_at - 0.25)
-        _place(keys, [*r.prologue, r.launch], launch_at)
+        place(keys, [*r.prologue, r.launch], launch_at)
         in_flight.append(r)
-    # The rest wait together right before the outputs: first every wait, then every unpack.
+    # The rest wait right before the outputs: every wait, then every unpack.
     for j, r in enumerate(in_flight):
         keys[r.wait] = end + j * 1e-3
         if id(r) in follow_up:
             retire(r, end + j * 1e-3)
         else:
-            _place(keys, r.epilogue, end + 1 + j * 1e-3)
+            place(keys, r.epilogue, end + 1 + j * 1e-3)
     for j, ar in enumerate(replicating):
         keys[ar.wait] = end + 2 + j * 1e-3
-        _place(keys, ar.epilogue, end + 3 + j * 1e-3)
+        place(keys, ar.epilogue, end + 3 + j * 1e-3)
     reorder(gm.graph, keys)
     return gm
 
@@ -112,14 +98,4 @@ def reduce_scatter_pass(
 def _replica_follow_ups(scatters: list[Region], replicas: list[Region]) -> dict[int, Region]:
     """HSDP: for each reduce-scatter region, the all-reduce region that reads its result."""
     owner = {n: r for r in scatters for n in [r.wait, *r.epilogue]}
-    out: dict[int, Region] = {}
-    for ar in replicas:
-        sources = {id(owner[i]) for i in ar.inputs if i in owner}
-        for source in sources:
-            out[source] = ar
-    return out
-
-
-def _place(keys: dict[fx.Node, float], nodes: list[fx.Node], key: float) -> None:
-    for j, n in enumerate(nodes):
-        keys[n] = key + j * 1e-6
+    return {id(owner[i]): ar for ar in replicas for i in ar.inputs if i in owner}

@@ -1,9 +1,8 @@
-"""Stream assignment: say, on every node, which stream its work runs on.
+"""Stream assignment: annotate on every node the stream its work runs on.
 
 NOTE [streams]: a functional collective runs on its process group's own stream (for NCCL, each
-communicator has an internal CUDA stream); ``wait_tensor`` makes the compute stream wait for it. So the
-stream of a launch is a function of its group, and this pass derives it from the groups the markers
-named, never from guesses:
+communicator's internal CUDA stream) and ``wait_tensor`` makes the compute stream wait for it, so a
+launch's stream follows from its group and the groups its marker named:
 
     all_gather      a launch on the all-gather communicator
     reduce_scatter  a launch on the dedicated reduce-scatter communicator
@@ -12,8 +11,7 @@ named, never from guesses:
     compute         everything else: compute, pack/unpack copies, and waits (``meta["fsdp"]["waits_on"]``
                     names the stream a wait joins)
 
-The tables, traces and the cost model read these annotations; ``check_streams`` verifies that each
-launch's stream matches its group, so what the schedule shows is what runs.
+Tables, traces and the cost model read these annotations; ``check_streams`` verifies each launch's.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ __all__ = ["streams_pass", "stream_of_launch", "check_streams"]
 
 
 def stream_of_launch(node: fx.Node) -> str:
-    """The stream a collective launch runs on, from its group and the groups its marker named."""
+    """The stream a collective launch runs on (NOTE [streams])."""
     meta = fsdp_meta(node)
     group = node.args[-1]
     ag, rs, rep = meta.get("ag_group"), meta.get("rs_group"), meta.get("replicate_group")

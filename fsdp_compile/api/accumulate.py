@@ -1,18 +1,10 @@
 """Gradient accumulation without communication: ``set_requires_gradient_sync(False)``.
 
-NOTE [no-sync]: while a unit does not sync, each read of a param passes a full-shape *accumulation
-leaf* to ``fsdp::unshard`` (a unit's reads, grouped, pass their leaves to one marker: NOTE [flat
-markers] in ``passes/capture/group_markers.py``); the marker's backward then sends each full gradient
-to its leaf's ``.grad`` (autograd accumulates it across microbatches, in the param's dtype)
-and gives the shard none, so the backward graph holds no reduce-scatter at all. The leaf is a
-zero-stride expansion of one element: only its gradient takes memory, like the unsharded gradients
-eager FSDP keeps in this mode.
-
-When the user turns sync back on, the next forward still reads through the leaves (the same compiled
-graph: its Dynamo guard is "not sync or pending"), and at the end of that backward one reduce per
-param (sum over shard ranks, across replicas, averaged, cast) moves everything accumulated into the
-shards' ``.grad``. So a run switches between exactly two graphs (synced and accumulating), never
-recompiling per step.
+NOTE [no-sync]: while a unit does not sync, each read passes a full-shape *accumulation leaf* (a
+zero-stride expansion of one element) to ``fsdp::unshard``, whose backward sends the full gradient to the
+leaf's ``.grad`` (accumulated by autograd) instead of reducing it. Once sync is on again, the next forward
+still reads through the leaves (the same graph: its guard is "not sync or pending"), and the end of that
+backward reduces everything accumulated into the shards' ``.grad``. So a run switches between two graphs.
 """
 
 from __future__ import annotations
@@ -44,8 +36,7 @@ def _on_accumulated(sp: ShardedParam) -> None:
 
 
 def _flush(unit: Unit) -> None:
-    """End of a synced backward: reduce every accumulated full gradient into its shard's grad, with
-    one bucketed reduce-scatter (and, for HSDP, one all-reduce) for the whole unit."""
+    """End of a synced backward: one bucketed reduce of the unit's accumulated full grads into its shards' grads."""
     ready = [sp for sp in unit.params if sp.accumulator is not None and sp.accumulator.grad is not None]
     unit.set_sync(pending=False)
     unit.flush_queued = False
@@ -80,18 +71,15 @@ def _padded_rows(sp: ShardedParam, world: int) -> Tensor:
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
     """Turn gradient reduction on or off for ``module``'s unit (and, with ``recurse``, its sub-units).
 
-    Off: backward keeps full-size gradients locally, no reduce-scatter runs (accumulation microbatches).
-    On again: the next backward reduces everything accumulated once. FSDP2's
-    ``module.set_requires_gradient_sync`` is the same call.
+    Off: backward keeps full-size gradients locally and reduces nothing (accumulation microbatches).
+    On again: the next backward reduces everything accumulated, once. As FSDP2's method of this name.
     """
     if not isinstance(requires_gradient_sync, bool):
         raise TypeError(f"set_requires_gradient_sync: expected a bool, got {type(requires_gradient_sync).__name__}")
     units = units_under(module) if recurse else [u for u in units_under(module) if u.module is module]
     if not units:
-        raise ValueError(
-            f"set_requires_gradient_sync: {type(module).__name__} holds no fully_shard unit; call "
-            "fully_shard on it (or its blocks) first."
-        )
+        raise ValueError(f"set_requires_gradient_sync: {type(module).__name__} holds no fully_shard unit; call "
+                         "fully_shard on it (or its blocks) first.")
     for unit in units:
         if not requires_gradient_sync:
             for sp in unit.params:

@@ -1,30 +1,18 @@
 """Checkpoints of sharded models with ``torch.distributed.checkpoint`` (DCP), at any world size.
 
-After ``fully_shard``, ``model.state_dict()`` holds padded local shards under parametrization names
-(``layers.0.attn.wq.parametrizations.weight.original``). These functions, our counterparts of
-``torch.distributed.checkpoint.state_dict``, use the user's names (``layers.0.attn.wq.weight``) and
-give each sharded param (and each shard-shaped optimizer state tensor) as a ``DTensor`` of the full
-shape whose local part is this rank's *unpadded* rows: ``Shard(0)`` on a mesh of the all-gather group,
-``(Replicate(), Shard(0))`` on the (replicate, shard) mesh of HSDP. Our split (``ceil(n / world)`` rows
-per rank, the last ranks short or empty: NOTE [padding] in ``ops``) is exactly DTensor's ``Shard(0)``
-chunking, so DCP reshards to any world size. Buffers and params no unit manages stay plain tensors.
+Counterparts of ``torch.distributed.checkpoint.state_dict``'s functions (same signatures), under the user's
+names. A sharded param (or shard-shaped optimizer state) is a ``DTensor`` of the full shape whose local
+part is this rank's unpadded rows: ``Shard(0)``, or ``(Replicate(), Shard(0))`` for HSDP. Our split (NOTE
+[padding] in ``markers.py``) is DTensor's ``Shard(0)`` chunking, so DCP reshards to any world size.
 
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.save(sd, checkpoint_id=path)
-    # any world size, a freshly built and sharded model with its optimizer:
-    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(sd, checkpoint_id=path)  # fills the dicts in place
-    set_model_state_dict(model, sd["model"]); set_optimizer_state_dict(model, opt, sd["optim"])
+    # at any world size, the same dict of a fresh sharded model and optimizer:
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
 
-Full state dicts take torch's ``StateDictOptions`` (same signatures as
-``torch.distributed.checkpoint.state_dict``, so FSDP2 code runs unchanged): export with
-``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` (rank 0
-gets full CPU tensors, the others ``{}``), and load what rank 0 alone read with
-``set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``
-(the others pass ``{}``; NOTE [rank-0 broadcast] in ``full_state.py``).
-
-The ``get_*`` functions may run collectives (a 0-d param is broadcast, full params are gathered, an
-HSDP mesh is built once per ``FsdpGroups``): call them on every rank, in the same order.
+The ``get_*`` functions may run collectives: call them on every rank, in the same order.
 """
 
 from __future__ import annotations
@@ -45,22 +33,14 @@ __all__ = ["StateDictOptions", "get_full_model_state_dict", "get_model_state_dic
            "set_model_state_dict", "set_optimizer_state_dict"]
 
 
-# --- Model ---
-
-
 def get_model_state_dict(model: nn.Module, *, submodules: set[nn.Module] | None = None,
                          options: StateDictOptions | None = None) -> dict[str, Tensor]:
-    """The model's state dict under the user's names, as ``torch.distributed.checkpoint.state_dict``'s
-    function of this name gives it for FSDP2.
+    """The model's state dict under the user's names, as torch's function of this name gives it for FSDP2.
 
-    By default, for ``dcp.save`` / ``dcp.load``: sharded params are DTensors of their full shape whose
-    local part is a view of this rank's unpadded shard rows (call :func:`set_model_state_dict` after
-    ``dcp.load`` all the same). With ``options=StateDictOptions(full_state_dict=True)``: plain full
-    tensors (for export), gathered one at a time; with ``cpu_offload=True`` too, on the CPU and on global
-    rank 0 alone (the others get ``{}``). ``ignore_frozen_params`` leaves out parameters that do not
-    require grad; ``submodules`` keeps only the entries of those modules (``keep_submodule_prefixes``).
-    Persistent buffers and params no unit manages are plain tensors. A tensor with several names (a
-    module used twice, a shared param) appears under each, as in ``nn.Module.state_dict()``.
+    By default for DCP: sharded params are DTensors viewing this rank's rows (call :func:`set_model_state_dict`
+    after ``dcp.load`` all the same). ``full_state_dict=True``: plain full tensors; with ``cpu_offload=True``
+    too, on the CPU and on global rank 0 alone (the others get ``{}``). ``ignore_frozen_params`` and
+    ``submodules`` filter, as in torch. A tensor with several names appears under each.
     """
     options = _options(options, "get_model_state_dict")
     entries, order = layout(model, "get_model_state_dict")
@@ -88,7 +68,6 @@ def _options(options: StateDictOptions | None, caller: str) -> StateDictOptions:
 
 def _select(model: nn.Module, order: list[tuple[str, Entry]], submodules: set[nn.Module] | None,
             options: StateDictOptions) -> list[tuple[str, Entry]]:
-    """``order`` without frozen params (``ignore_frozen_params``), and only under ``submodules``."""
     if options.ignore_frozen_params:
         order = [(n, e) for n, e in order if not (isinstance(e.tensor, nn.Parameter) and not e.tensor.requires_grad)]
     if submodules is None:
@@ -98,19 +77,14 @@ def _select(model: nn.Module, order: list[tuple[str, Entry]], submodules: set[nn
     return [(n if options.keep_submodule_prefixes else n[len(p):], e) for n, e, p in kept if p is not None]
 
 
-def set_model_state_dict(
-    model: nn.Module, model_state_dict: Mapping[str, Tensor], *, options: StateDictOptions | None = None,
-    strict: bool | None = None,
-) -> _IncompatibleKeys:
+def set_model_state_dict(model: nn.Module, model_state_dict: Mapping[str, Tensor], *,
+                         options: StateDictOptions | None = None, strict: bool | None = None) -> _IncompatibleKeys:
     """Load ``model_state_dict`` (as :func:`get_model_state_dict` returns, or full plain tensors) into
-    ``model``, as ``torch.distributed.checkpoint.state_dict``'s function of this name does for FSDP2.
+    ``model``, as torch's function of this name does for FSDP2; a tensor with several names needs only one.
 
-    Sharded params take this rank's rows, re-padded with zeros. A tensor with several names (aliases)
-    needs only one of them. With ``options=StateDictOptions(full_state_dict=True,
-    broadcast_from_rank0=True)`` global rank 0 holds the full state dict and the others pass ``{}``: each
-    tensor is broadcast alone and each rank keeps its rows (NOTE [rank-0 broadcast] in ``full_state.py``;
-    collective). With ``options.strict`` (default; ``strict=`` overrides it) missing or unknown names
-    raise; otherwise they are skipped and returned as ``(missing_keys, unexpected_keys)``.
+    ``full_state_dict=True, broadcast_from_rank0=True``: global rank 0 holds the full state dict, the others
+    pass ``{}`` (NOTE [rank-0 broadcast] in ``full_state.py``). With ``options.strict`` (default; ``strict=``
+    overrides it) missing or unknown names raise; otherwise they are returned as ``(missing, unexpected)``.
     """
     state_dict = model_state_dict
     options = _options(options, "set_model_state_dict")
@@ -136,8 +110,7 @@ def set_model_state_dict(
         elif isinstance(value, DTensor):
             raise TypeError(f"set_model_state_dict: {name!r} is a DTensor but the model keeps it unsharded (a buffer "
                             "or a param no fully_shard unit manages); pass a plain tensor (get_model_state_dict's).")
-        for raw_key in e.raw_keys:
-            raw[raw_key] = value
+        raw.update(dict.fromkeys(e.raw_keys, value))
     if strict and (missing or unexpected):
         raise ValueError(f"set_model_state_dict: missing keys {few(missing)}, unexpected keys {few(unexpected)}. "
                          "Fill the dict get_model_state_dict(model) returns (dcp.load(sd, ...) does), or pass "
@@ -146,24 +119,16 @@ def set_model_state_dict(
     return _IncompatibleKeys(missing, unexpected)
 
 
-def get_full_model_state_dict(
-    model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
-) -> dict[str, Tensor]:
-    """Plain full tensors, equal to what the unsharded model's ``state_dict()`` would hold (for export).
-
-    Every rank must call it (params are all-gathered). With ``rank0_only`` (default) only global rank 0
-    gets the tensors, the others ``{}``; ``cpu_offload`` moves them to the CPU. Buffers and unmanaged
-    params are the live tensors (detached), as in ``state_dict()``: clone them to keep a snapshot.
-    """
+def get_full_model_state_dict(model: nn.Module, *, rank0_only: bool = True,
+                              cpu_offload: bool = True) -> dict[str, Tensor]:
+    """Plain full tensors, as the unsharded model's ``state_dict()`` holds them (for export); collective.
+    ``rank0_only``: the others get ``{}``; ``cpu_offload``: on the CPU. Buffers are the live tensors."""
     entries, order = layout(model, "get_full_model_state_dict")
     return full_state_dict(entries, order, rank0_only=rank0_only, cpu_offload=cpu_offload)
 
 
-# --- Optimizer ---
-
-
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create a fresh optimizer's state (for ``dcp.load`` to fill): one step at lr 0 with zero grads."""
+    """Create a fresh optimizer's state (for ``dcp.load`` to fill): a step at lr 0 with zero grads."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     grads, lrs = [p.grad for p in params], [g.get("lr") for g in optimizer.param_groups]
     try:
@@ -181,27 +146,23 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer, caller: str) -> list[list[Entry]]:
-    """Per param group of ``optimizer``, each param's entry (``entry.names[0]`` names it)."""
+    """Per param group of ``optimizer``, each param's entry."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{caller}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     by_tensor = {id(e.tensor): e for e in layout(model, caller)[0]}
     for p in (p for g in optimizer.param_groups for p in g["params"] if id(p) not in by_tensor):
-        raise ValueError(
-            f"{caller}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the model's; "
-            "build the optimizer from model.parameters() after fully_shard (the params are then the shards)."
-        )
+        raise ValueError(f"{caller}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of "
+                         "the model's; build the optimizer from model.parameters() after fully_shard (the params "
+                         "are then the shards).")
     return [[by_tensor[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
                              options: StateDictOptions | None = None) -> dict[str, Any]:
     """The optimizer's state keyed by param names: ``{"state": {fqn: {...}}, "param_groups": [...]}``.
-    ``options``: torch's, for the sharded (DCP) dict only (``full_state_dict`` is not supported here).
 
-    State tensors shaped like a sharded param's shard (Adam's moments, SGD's momentum) become DTensors
-    of the full shape, as in :func:`get_model_state_dict`; scalars (``step``) are kept as they are.
-    A fresh optimizer gets its state created first (a step at learning rate 0 with zero grads), so
-    that the dict can be handed to ``dcp.load``.
+    Sharded only (no ``full_state_dict``). State shaped like a param's shard (Adam's moments) becomes
+    DTensors of the full shape; scalars stay. A fresh optimizer's state is created first, for ``dcp.load``.
     """
     _sharded_only(options, "get_optimizer_state_dict")
     groups = _optimizer_entries(model, optimizer, "get_optimizer_state_dict")
@@ -232,24 +193,16 @@ def _state_out(entry: Entry, key: str, value: Any) -> Any:
     if sp is None or not isinstance(value, Tensor) or value.dim() == 0:
         return value
     if value.shape != sp.shard.shape:
-        raise ValueError(
-            f"get_optimizer_state_dict: state {key!r} of {entry.names[0]!r} has shape {tuple(value.shape)}, "
-            f"neither the shard's {tuple(sp.shard.shape)} nor a scalar; only element-wise optimizer state (SGD, "
-            "Adam, AdamW, ...) can be resharded."
-        )
+        raise ValueError(f"get_optimizer_state_dict: state {key!r} of {entry.names[0]!r} has shape "
+                         f"{tuple(value.shape)}, neither the shard's {tuple(sp.shard.shape)} nor a scalar; only "
+                         "element-wise optimizer state (SGD, Adam, AdamW, ...) can be resharded.")
     return to_dtensor(sp, value)
 
 
-def set_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], *,
-    options: StateDictOptions | None = None,
-) -> None:
+def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], *,
+                             options: StateDictOptions | None = None) -> None:
     """Load an optimizer state dict keyed by param names (as :func:`get_optimizer_state_dict` returns).
-
-    DTensor state (or plain tensors of a param's full shape) becomes this rank's zero-padded shard;
-    0-d tensors and other values are kept. The hyperparameters of each param group are restored; the
-    groups must hold the same params as when saved. Params without saved state get none.
-    """
+    DTensors (or full-shape tensors) become this rank's shard; the groups must hold the params they held."""
     caller = "set_optimizer_state_dict"
     _sharded_only(options, caller)
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
@@ -261,14 +214,12 @@ def set_optimizer_state_dict(
     ours = [[e.names[0] for e in entries] for entries in groups]
     unexpected = sorted(set(saved_state) - {name for names in ours for name in names})
     if len(saved_groups) != len(groups) or unexpected or any(
-        sorted(names) != sorted(saved["params"]) for names, saved in zip(ours, saved_groups)
-    ):
+            sorted(names) != sorted(saved["params"]) for names, saved in zip(ours, saved_groups)):
         theirs = " | ".join(few(list(g["params"])) for g in saved_groups)
-        raise ValueError(
-            f"{caller}: the optimizer's {len(groups)} param groups hold {' | '.join(few(n) for n in ours)}, the "
-            f"saved {len(saved_groups)} hold {theirs} (state for params the optimizer lacks: {few(unexpected)}); "
-            "build it with the same params and groups as the saved one."
-        )
+        raise ValueError(f"{caller}: the optimizer's {len(groups)} param groups hold "
+                         f"{' | '.join(few(n) for n in ours)}, the saved {len(saved_groups)} hold {theirs} (state for "
+                         f"params the optimizer lacks: {few(unexpected)}); build it with the same params and groups "
+                         "as the saved one.")
     torch_state: dict[int, dict[str, Any]] = {}
     torch_groups: list[dict[str, Any]] = []
     index = 0
@@ -288,8 +239,6 @@ def _state_in(entry: Entry, key: str, value: Any) -> Any:
     if entry.param is not None and (isinstance(value, DTensor) or value.dim() > 0):
         return to_padded(entry.param, value, f"set_optimizer_state_dict: state {key!r} of {entry.names[0]!r}")
     if isinstance(value, DTensor):
-        raise TypeError(
-            f"set_optimizer_state_dict: state {key!r} of {entry.names[0]!r} is a DTensor but the param is not "
-            "sharded; pass a plain tensor, as get_optimizer_state_dict gives."
-        )
-    return value.detach().clone()  # the optimizer updates state in place: do not alias the caller's dict
+        raise TypeError(f"set_optimizer_state_dict: state {key!r} of {entry.names[0]!r} is a DTensor but the param "
+                        "is not sharded; pass a plain tensor, as get_optimizer_state_dict gives.")
+    return value.detach().clone()  # the optimizer updates state in place

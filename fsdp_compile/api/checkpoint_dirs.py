@@ -1,16 +1,11 @@
 """DCP checkpoints that a crash during a save cannot destroy: a new directory per step, made current last.
 
-NOTE [checkpoint directories]: ``dcp.save`` rewrites the files of its directory in place, one file per
-rank and ``.metadata`` from rank 0. Saving every N steps into the same directory, a rank killed while it
-writes leaves its file truncated beside the old ``.metadata`` (the only good checkpoint is gone: ``EOFError``
-on load), and a rank killed before it opens its file leaves its old file beside the others' new ones (a
-checkpoint that loads without a word and mixes two steps). So :func:`save_checkpoint` writes each step
-into a directory of its own (``root/step-000000500``), and only once every rank has finished (``dcp.save``
-returns after its collective finish, then a barrier) rank 0 writes the name of that directory into
-``root/latest.tmp`` and renames it to ``root/latest`` (``os.replace``: atomic). A crash at any moment
-leaves ``root/latest`` naming the previous complete checkpoint, which :func:`latest_checkpoint` returns;
-a directory that never became current is ignored, and removed when that step is saved again. The
-``keep`` newest complete checkpoints stay, older ones are deleted (after the pointer moved on).
+NOTE [checkpoint directories]: ``dcp.save`` rewrites its directory's files in place, so a rank killed while
+saving into one directory again leaves a truncated file, or an old file beside new ones (a checkpoint that
+silently mixes two steps). So :func:`save_checkpoint` writes each step into its own directory
+(``root/step-000000500``), and once every rank has finished, rank 0 names it in ``root/latest`` (written to
+``latest.tmp``, then renamed: atomic). A crash leaves ``root/latest`` naming the previous complete
+checkpoint; a directory never made current is ignored, and removed when its step is saved again.
 
     ckpt = latest_checkpoint("checkpoints")          # None on the first start
     if ckpt is not None:
@@ -44,11 +39,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def _agreed(value: Any) -> Any:
     """Rank 0's ``value`` (an object, or the exception it raised) on every rank; raised where it is one."""
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -62,10 +52,9 @@ def _agreed(value: Any) -> Any:
 
 def save_checkpoint(state_dict: dict[str, Any], root: str | os.PathLike[str], step: int, *, keep: int = 2,
                     **save_kw: Any) -> str:
-    """Save ``state_dict`` with ``dcp.save`` into ``root/step-<step>`` and make it the checkpoint that
-    :func:`latest_checkpoint` returns once every rank has written its part (NOTE [checkpoint
-    directories]); then delete all but the ``keep`` newest complete ones. Collective: call it on every
-    rank, in the same order. ``save_kw`` goes to ``dcp.save``. Returns the directory."""
+    """Save ``state_dict`` with ``dcp.save`` into ``root/step-<step>``, make it current once every rank has
+    written (NOTE [checkpoint directories]), then keep only the ``keep`` newest complete ones. Collective.
+    ``save_kw`` goes to ``dcp.save``. Returns the directory."""
     if keep < 1:
         raise ValueError(f"save_checkpoint: keep={keep}; keep at least 1 checkpoint (2 keeps the previous one too).")
     root = Path(root)
@@ -74,16 +63,17 @@ def save_checkpoint(state_dict: dict[str, Any], root: str | os.PathLike[str], st
     if _rank() == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            if target.exists():  # a save of this step that never became current (a crash), or a rerun
+            if target.exists():  # a save of this step that crashed, or a rerun
                 if _current(root) == target.name:
                     raise ValueError(f"save_checkpoint: {target} is the current checkpoint; save a later step, or "
                                      "delete it first.")
                 shutil.rmtree(target)
-        except Exception as e:  # every rank raises it, not only rank 0 (the others would hang in dcp.save)
+        except Exception as e:  # raised on every rank (the others would hang in dcp.save)
             prepared = RuntimeError(f"save_checkpoint: rank 0 could not prepare {target}: {type(e).__name__}: {e}")
     _agreed(prepared)
     dcp.save(state_dict, checkpoint_id=str(target), **save_kw)
-    _barrier()  # every rank has returned from dcp.save: its part is written
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # every rank has returned from dcp.save: its part is written
     outcome: Any = None
     if _rank() == 0:
         try:
@@ -106,8 +96,7 @@ def _current(root: Path) -> str | None:
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
-    """Delete the checkpoints older than the ``keep`` newest complete ones, and the incomplete ones before
-    ``step`` (saves that crashed)."""
+    """Delete the checkpoints before ``step`` but the ``keep - 1`` newest complete ones."""
     older = sorted((s, p) for s, p in _step_dirs(root).items() if s < step)
     complete = [s for s, p in older if (p / ".metadata").exists()]
     kept = set(complete[max(0, len(complete) - (keep - 1)):]) if keep > 1 else set()
@@ -117,9 +106,8 @@ def _prune(root: Path, step: int, keep: int) -> None:
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
-    """The directory of the newest checkpoint :func:`save_checkpoint` completed under ``root`` (for
-    ``dcp.load``), or ``None`` when there is none yet. A save that crashed is never returned. Rank 0
-    reads, every rank gets its answer (collective when a process group is initialised)."""
+    """The newest checkpoint :func:`save_checkpoint` completed under ``root`` (for ``dcp.load``), or ``None``.
+    Rank 0 reads, every rank gets its answer (collective when a process group is initialised)."""
     found: Any = None
     if _rank() == 0:
         try:
@@ -134,10 +122,10 @@ def _read_latest(root: Path) -> str | None:
     if name is None:
         leftovers = sorted(_step_dirs(root)) if root.is_dir() else []
         if leftovers:
-            raise FileNotFoundError(
-                f"latest_checkpoint: {root} holds {len(leftovers)} step directories but no '{_POINTER}' file naming "
-                "the current one: none was completed by save_checkpoint (or the file was deleted). Pass the "
-                "directory to dcp.load yourself if you know it is complete.")
+            raise FileNotFoundError(f"latest_checkpoint: {root} holds {len(leftovers)} step directories but no "
+                                    f"'{_POINTER}' file naming the current one: none was completed by "
+                                    "save_checkpoint (or the file was deleted). Pass the directory to dcp.load "
+                                    "yourself if you know it is complete.")
         return None
     target = root / name
     if not _STEP.match(name) or not (target / ".metadata").exists():

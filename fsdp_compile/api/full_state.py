@@ -1,17 +1,11 @@
 """Full (unsharded) state dicts: export on rank 0, and load what rank 0 alone holds.
 
-NOTE [rank-0 broadcast]: a full checkpoint (a Hugging Face ``save_pretrained`` directory, a
-``torch.save``-d state dict) is read on rank 0 alone; the other ranks pass ``{}``. Rank 0 first tells
-every rank which of the model's tensors it holds (names, shapes, dtypes, and the keys that are missing or
-unexpected) in one ``broadcast_object_list``; then each tensor travels alone, in model order, through one
-``dist.broadcast`` from global rank 0, and each rank copies its rows into its shard (a buffer or
-unmanaged param: the whole tensor) before the next one. Every rank receives into one staging buffer,
-the bytes of the largest tensor, made once and reused for each (viewed as its dtype and shape); rank 0
-sends a tensor from where it lies when it is contiguous on the model's device, else through that
-buffer too. A rank's extra memory is that one buffer, never the model (a buffer per tensor would be two
-at times: gloo's worker thread lets go of a broadcast's tensor a moment after the call returns). The writes are in place, so a unit's flat shard (NOTE [flat shards]) stays
-the parameters' storage. ``torch.distributed.checkpoint.state_dict`` calls
-this ``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``.
+NOTE [rank-0 broadcast]: a full checkpoint is read on rank 0 alone; the others pass ``{}``. Rank 0 first
+tells every rank which tensors it holds (names, shapes, dtypes, missing and unexpected keys) in one
+``broadcast_object_list``; then each tensor travels alone, in model order, through one ``dist.broadcast``
+into one reused staging buffer (the largest tensor's bytes), and each rank copies its rows into its shard
+in place (so a unit's flat stays the parameters' storage) before the next. A rank's extra memory is that
+buffer, never the model. Torch calls this ``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ __all__ = ["broadcast_full_state_dict", "full_state_dict", "raise_on_every_rank"
 
 def full_state_dict(entries: list[Entry], order: list[tuple[str, Entry]], rank0_only: bool,
                     cpu_offload: bool) -> dict[str, Tensor]:
-    """Plain full tensors named as the unsharded model's ``state_dict()`` names them; collective (every
-    rank gathers each param, one at a time). ``rank0_only``: the other ranks get ``{}``."""
+    """Plain full tensors under the unsharded model's names; collective. ``rank0_only``: the others get ``{}``."""
     keep = not rank0_only or dist.get_rank() == 0
     values: dict[int, Tensor] = {}
     for e in entries:
@@ -46,8 +39,8 @@ def full_state_dict(entries: list[Entry], order: list[tuple[str, Entry]], rank0_
 
 
 def _plan(entries: list[Entry], known: set[str], state_dict: Mapping[str, Any]) -> tuple[list, list[str], list[str], str]:
-    """On rank 0: (entry index, name, shape, dtype) of every tensor to send, the missing and unexpected
-    keys, and an error to raise on every rank ("" when none)."""
+    """On rank 0: (entry index, name, shape, dtype) of each tensor to send, the missing and unexpected keys,
+    and an error to raise on every rank ("" when none)."""
     plan: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []
     missing: list[str] = []
     for i, e in enumerate(entries):
@@ -69,9 +62,8 @@ def _plan(entries: list[Entry], known: set[str], state_dict: Mapping[str, Any]) 
 
 
 def raise_on_every_rank(error: BaseException | None, what: str) -> None:
-    """Collective: raise on every rank when rank 0's ``error`` is not ``None`` (the others pass ``None``),
-    the same exception type where it is a builtin one (else ``RuntimeError``), saying ``what`` rank 0 did;
-    a rank 0 failure must not leave the others in a collective it never joins."""
+    """Collective: raise rank 0's ``error`` (the others pass ``None``) on every rank, as the same builtin
+    type (else ``RuntimeError``), saying ``what`` rank 0 did."""
     box: list[Any] = [None if error is None else (type(error).__name__, str(error))]
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:
@@ -85,13 +77,12 @@ def raise_on_every_rank(error: BaseException | None, what: str) -> None:
 
 def broadcast_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], strict: bool, *,
                               caller: str = "") -> _IncompatibleKeys:
-    """(NOTE [rank-0 broadcast]) Load the full ``state_dict`` that global rank 0 holds (the others pass
-    ``{}``) into ``model``'s shards; collective over the default group. Every error, found on any rank,
-    is raised on every rank."""
+    """(NOTE [rank-0 broadcast]) Load the full ``state_dict`` global rank 0 holds (the others pass ``{}``)
+    into ``model``; collective. An error found on any rank is raised on every rank."""
     caller = caller or "set_model_state_dict(broadcast_from_rank0=True)"
     entries, order = layout(model, caller)
     rank = dist.get_rank()
-    # A rank other than 0 given entries: every rank learns it, not that rank alone (one small all-gather).
+    # A rank other than 0 given entries: every rank raises.
     given: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(given, len(state_dict) if rank != 0 else 0)
     ranks = [r for r, n in enumerate(given) if n]

@@ -1,25 +1,12 @@
-"""``module.weight`` read outside the compiled model: the full parameter, gathered, that still acts on
-the shard it came from.
+"""``module.weight`` read outside compiled code: the full parameter, gathered, that acts on its shard.
 
-NOTE [reading a sharded parameter]: after ``fully_shard``, ``module.weight`` is computed: reading it
-runs ``fsdp::unshard``, which, outside a graph compiled by ``fsdp_backend``, is a blocking all-gather
-over the unit's group (every rank of it must read it too, like any collective). The result is a
-temporary, so on a plain tensor ``module.weight.requires_grad_(False)`` fails ("only leaf variables")
-and ``nn.init.normal_(module.weight)`` changes nothing that lasts. Outside compiled code it is
-therefore handed out as a :class:`GatheredParam`, which:
-
-- sets ``requires_grad`` (``requires_grad_()`` or ``.requires_grad =``) on the parameter itself, the
-  shard, so freezing works as on an unsharded model;
-- writes this rank's rows back into the shard after any in-place change (``copy_``, ``fill_``,
-  ``normal_``, ``x[...] = v``, ``out=x``), also one made through a view of it (``.data``, ``detach()``,
-  ``w[0].fill_(0)``, ``w.view_as(q).copy_(q)``: every result that shares its storage is handed out as a
-  ``GatheredParam`` of the same full tensor), so initialising after sharding works. Every rank computes
-  the same full values (the same RNG stream, as the unsharded model draws them) and keeps its rows: NOTE
-  [initialising sharded parameters] in ``materialize.py``;
-- says where the gradient lives when ``.grad`` is read (on the shard: ``local_shard(module, name).grad``).
-
-Everything else runs as on a plain tensor and returns plain tensors. To read this rank's rows without
-any communication use :func:`fsdp_compile.local_shard` (the parameter the optimizer sees).
+NOTE [reading a sharded parameter]: outside a graph compiled by ``fsdp_backend``, reading ``module.weight``
+is a blocking all-gather (every rank of the group must read it too) whose result is a temporary, so
+``requires_grad_(False)`` or ``nn.init.normal_`` on it would change nothing that lasts. So it is a
+:class:`GatheredParam`, which sets ``requires_grad`` on the shard itself; writes this rank's rows back into
+the shard after any in-place change, also through a view (``.data``, ``w[0].fill_(0)``: each result sharing
+its storage is a ``GatheredParam`` too), so initialising after sharding works (NOTE [initialising sharded
+parameters] in ``materialize.py``); and says where ``.grad`` lives (``local_shard(module, name).grad``).
 """
 
 from __future__ import annotations
@@ -32,6 +19,7 @@ import torch
 from torch import Tensor
 
 from fsdp_compile._compat import DisableTorchFunctionSubclass
+from fsdp_compile.api.state_layout import row_range
 from fsdp_compile.api.units import ShardedParam
 
 __all__ = ["GatheredParam", "gathered"]
@@ -44,9 +32,8 @@ _INPLACE_DUNDERS = {
 
 
 class GatheredParam(Tensor):
-    """The full value of a sharded parameter, read outside compiled code (NOTE [reading a sharded
-    parameter]); ``_fsdp_param`` is the parameter it was gathered from; a view of one has ``_fsdp_full``,
-    the full tensor it shares storage with."""
+    """A sharded parameter's full value (NOTE [reading a sharded parameter]) from ``_fsdp_param``; a view
+    of one has ``_fsdp_full``, its full tensor."""
 
     _fsdp_param: ShardedParam
     _fsdp_full: Tensor
@@ -55,7 +42,7 @@ class GatheredParam(Tensor):
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        # The tensor acted on: the first argument, or the first keyword (nn.init passes tensor=...).
+        # The tensor acted on: the first argument, or the first keyword (nn.init passes tensor=...)
         first = args[0] if args else next(iter(kwargs.values()), None)
         self = first if isinstance(first, GatheredParam) else None
         if self is not None and func in (Tensor.requires_grad_, Tensor.requires_grad.__set__):
@@ -81,8 +68,7 @@ class GatheredParam(Tensor):
 
 
 def _keep_views(out: Any, source: GatheredParam) -> Any:
-    """``out``, with each plain tensor in it that shares ``source``'s storage made a ``GatheredParam`` of
-    ``source``'s full tensor (run with torch functions of subclasses disabled)."""
+    """``out``, each plain tensor in it that shares ``source``'s storage made a ``GatheredParam`` of it."""
     if isinstance(out, (tuple, list)):
         return type(out)(_keep_views(o, source) for o in out)
     if type(out) is Tensor and out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
@@ -102,24 +88,20 @@ def _full(t: GatheredParam) -> Tensor:
 
 
 def _write_back(full: GatheredParam) -> None:
-    """Copy this rank's rows of ``full``'s whole parameter into the shard (NOTE [padding]: rows past the end stay zero)."""
+    """Copy this rank's rows of ``full``'s parameter into the shard (NOTE [padding]: the rest stay zero)."""
     sp = full._fsdp_param
-    shard = sp.shard
-    rows = shard.shape[0]
-    start = sp.shard_index * rows
+    start, stop = row_range(sp)
     with torch.no_grad(), DisableTorchFunctionSubclass():
-        full = _full(full)  # the whole parameter, which a view written into shares storage with
+        full = _full(full)
         flat = full.reshape(1) if full.dim() == 0 else full
-        real = max(0, min(rows, flat.shape[0] - start))
-        shard[:real].copy_(flat[start:start + real])
+        sp.shard[: stop - start].copy_(flat[start:stop])
 
 
 def gathered(full: Tensor, sp: ShardedParam) -> Tensor:
     """``full`` (``sp`` gathered) as a :class:`GatheredParam`, when it is a plain eager tensor."""
     if type(full) is not Tensor or torch.compiler.is_compiling():
         return full  # traced, or under a tensor subclass / functorch transform: leave it alone
-    # The same tensor object, retyped: an alias (as_subclass) would be a view of the marker's output,
-    # which autograd forbids writing into.
+    # Retyped, not aliased: an alias (as_subclass) would be a view of the marker's output, not writable.
     full.__class__ = GatheredParam
     full._fsdp_param = sp  # type: ignore[attr-defined]  (no _fsdp_full: it would be a reference cycle)
     return full

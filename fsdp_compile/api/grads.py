@@ -1,22 +1,12 @@
 """Gradients of sharded parameters, whose norms are global.
 
-NOTE [global norms]: a sharded parameter's ``.grad`` holds this rank's rows of the full gradient. A norm
-over those rows alone differs per rank: ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` would
-clip each rank's rows by a different factor, silently. So after every backward the gradient of a
-sharded parameter is handed out as a :class:`ShardGrad`: the same tensor (this rank's rows), whose
-*norms* are computed over every rank's rows with one all-reduce over the shard group. Everything else
-runs on it as on a plain tensor and returns plain tensors. ``ShardGrad`` is registered for foreach as
-torch registers ``DTensor`` (when the first one is made, not at import: torch's list of foreach types is
-process-wide), so ``clip_grad_norm_`` and ``get_total_norm`` keep their foreach path: one
-``_foreach_norm`` and one all-reduce per (group, device) for the whole model, and then a norm of the
-per-parameter global norms, which is the global norm.
-
-Norms that combine across ranks: ``torch.linalg.vector_norm`` and ``torch._foreach_norm`` (any ``ord``),
-``Tensor.norm`` / ``torch.norm`` (numbers and ``"fro"``), ``torch.linalg.norm`` and ``torch.linalg.matrix_norm`` (vector norms
-and the Frobenius norm) when the reduction covers dim 0, the sharded dim; a reduction over other dims alone is
-per row, and stays this rank's rows. Matrix norms that need whole columns (``"nuc"``, spectral, 1, inf
-of a matrix) raise, with the fix. Padding rows (NOTE [padding]) never count. Every rank must compute a
-norm together, like any collective.
+NOTE [global norms]: a sharded parameter's ``.grad`` holds this rank's rows, and a norm over them alone
+differs per rank: ``clip_grad_norm_`` would silently clip each rank by a different factor. So it is handed
+out as a :class:`ShardGrad`, whose norms (``torch.linalg.vector_norm``, ``_foreach_norm``, ``torch.norm``,
+``linalg.norm`` / ``matrix_norm`` as vector or Frobenius norms) cover every rank's real rows with one
+all-reduce when they reduce over dim 0; matrix norms that need whole columns raise. It is registered for
+foreach as torch registers ``DTensor``, so ``clip_grad_norm_`` keeps its foreach path. Every rank must
+compute a norm together.
 """
 
 from __future__ import annotations
@@ -36,10 +26,7 @@ __all__ = ["ShardGrad", "as_shard_grad"]
 
 class ShardGrad(Tensor):
     """This rank's rows of a sharded parameter's gradient; its norms are over every rank's rows.
-
-    ``_fsdp_group``: name of the process group the rows are spread over; ``_fsdp_rows``: how many of
-    this rank's rows are real (the rest are padding).
-    """
+    ``_fsdp_group``: the group the rows are spread over; ``_fsdp_rows``: this rank's real rows."""
 
     _fsdp_group: str
     _fsdp_rows: int
@@ -55,7 +42,7 @@ class ShardGrad(Tensor):
             return func(*args, **kwargs)
 
 
-_registered = False  # ShardGrad in torch's foreach types (NOTE [global norms]), from the first one made
+_registered = False  # ShardGrad in torch's foreach types (NOTE [global norms])
 
 
 def as_shard_grad(grad: Tensor, group_name: str, rows: int) -> ShardGrad:
@@ -72,39 +59,15 @@ def as_shard_grad(grad: Tensor, group_name: str, rows: int) -> ShardGrad:
     return out  # type: ignore[return-value]
 
 
-# ---------------------------------------------------------------------------------------------
-# The arithmetic: a p-norm over all ranks from per-rank pieces.
-# ---------------------------------------------------------------------------------------------
-
-
 def _rows(t: Tensor) -> Tensor:
-    """The real rows of a shard (a view, or ``t`` itself when nothing is padding)."""
     if isinstance(t, ShardGrad) and t.dim() > 0 and t._fsdp_rows < t.shape[0]:
         with DisableTorchFunctionSubclass():
             return t[: t._fsdp_rows]
     return t
 
 
-def _to_piece(norm: Tensor, ord: float) -> tuple[Tensor, dist.ReduceOp]:
-    """A local norm as the quantity that adds (or max/mins) across ranks."""
-    if ord == math.inf:
-        return norm, dist.ReduceOp.MAX
-    if ord == -math.inf:
-        return norm, dist.ReduceOp.MIN
-    if ord == 0:
-        return norm, dist.ReduceOp.SUM
-    return norm.pow(ord), dist.ReduceOp.SUM
-
-
-def _from_piece(total: Tensor, ord: float) -> Tensor:
-    if ord in (math.inf, -math.inf, 0):
-        return total
-    return total.pow(1.0 / ord)
-
-
 def _local_norm(rows: Tensor, ord: float, dim: Any, keepdim: bool, dtype: torch.dtype) -> Tensor:
-    """``vector_norm`` of this rank's real rows, in ``dtype``; where this rank has no real row, the
-    identity of the combination (0 for sums and max, +inf for min)."""
+    """``vector_norm`` of this rank's real rows, in ``dtype``; with none, the identity of the combination."""
     if rows.numel() == 0 and ord in (math.inf, -math.inf):
         one_row = rows.new_zeros((1, *rows.shape[1:]), dtype=dtype)
         shape = torch.linalg.vector_norm(one_row, 2, dim=dim, keepdim=keepdim).shape
@@ -117,12 +80,15 @@ def _work_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(real, torch.float32)
 
 
-def _combine(pieces: Tensor, ord: float, group_name: str) -> Tensor:
+def _combine(local: Tensor, ord: float, group_name: str) -> Tensor:
+    """The ``ord``-norm over all ranks from each rank's local norms."""
     group = resolve_group(group_name)
-    piece, op = _to_piece(pieces, ord)
+    op = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord, dist.ReduceOp.SUM)
+    powered = ord not in (math.inf, -math.inf, 0)
+    piece = local.pow(ord) if powered else local
     if dist.get_world_size(group) > 1:
         dist.all_reduce(piece, op=op, group=group)
-    return _from_piece(piece, ord)
+    return piece.pow(1.0 / ord) if powered else piece
 
 
 def _covers_dim0(dim: Any, ndim: int) -> bool:
@@ -146,11 +112,9 @@ def _global_vector_norm(x: Tensor, ord: float | str = 2, dim: Any = None, keepdi
 
 
 def _refuse(kind: str) -> Tensor:
-    raise ValueError(
-        f"fsdp_compile: the {kind} of a sharded gradient needs whole columns, which this rank does not hold. "
-        "Use a vector norm (torch.linalg.vector_norm, or ord='fro'), or gather the gradient first with "
-        "torch.distributed.all_gather_into_tensor over its group."
-    )
+    raise ValueError(f"fsdp_compile: the {kind} of a sharded gradient needs whole columns, which this rank does "
+                     "not hold. Use a vector norm (torch.linalg.vector_norm, or ord='fro'), or gather the gradient "
+                     "first with torch.distributed.all_gather_into_tensor over its group.")
 
 
 def _global_norm(x: Tensor, p: Any = "fro", dim: Any = None, keepdim: bool = False, out: Tensor | None = None,
@@ -163,7 +127,7 @@ def _global_norm(x: Tensor, p: Any = "fro", dim: Any = None, keepdim: bool = Fal
 
 def _global_linalg_norm(x: Tensor, ord: Any = None, dim: Any = None, keepdim: bool = False, *,
                         out: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
-    """``torch.linalg.norm``: a vector norm, or the Frobenius norm; other matrix norms refuse."""
+    """``torch.linalg.norm``: vector norms and Frobenius; other matrix norms refuse."""
     matrix = (dim is None and ord is not None and x.dim() == 2) or (dim is not None and not isinstance(dim, int)
                                                                    and len(dim) == 2)
     if ord is None or (matrix and ord == "fro"):
@@ -175,15 +139,14 @@ def _global_linalg_norm(x: Tensor, ord: Any = None, dim: Any = None, keepdim: bo
 
 def _global_matrix_norm(x: Tensor, ord: Any = "fro", dim: Any = (-2, -1), keepdim: bool = False, *,
                         out: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
-    """``torch.linalg.matrix_norm``: the Frobenius norm combines across ranks; the others refuse."""
+    """``torch.linalg.matrix_norm``: Frobenius; the others refuse."""
     if ord != "fro":
         return _refuse(f"matrix norm ord={ord!r}")
     return _global_vector_norm(x, 2, dim, keepdim, dtype=dtype, out=out)
 
 
 def _global_foreach_norm(tensors: Sequence[Tensor], ord: float | str = 2, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
-    """``torch._foreach_norm``: local norms in one foreach call, then one all-reduce per (group, device,
-    dtype); the per-tensor results are views of that all-reduce's output (no launch per tensor)."""
+    """``torch._foreach_norm``: local norms in one foreach call, then one all-reduce per (group, device, dtype)."""
     ord = 2.0 if ord == "fro" else float(ord)
     out: list[Tensor | None] = [None] * len(tensors)
     with DisableTorchFunctionSubclass():

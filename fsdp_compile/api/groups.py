@@ -1,21 +1,14 @@
 """``FsdpGroups``: the process groups FSDP collectives run on, created once per process.
 
-NOTE [why two communicators]: one communicator (one NCCL process group) runs one collective at a time,
-whatever CUDA streams the caller uses: a reduce-scatter queued behind a prefetching all-gather waits for
-it. Giving the reduce-scatters their own group lets the last unit's reduce-scatter and the next unit's
-all-gather run at the same time, so the reduce-scatter can be launched as soon as its gradients exist.
-Every rank must issue the collectives of both groups in the same order, or concurrent communicators
-deadlock: the passes make the schedule a pure function of the graph.
+NOTE [why two communicators]: one communicator runs one collective at a time: a reduce-scatter queued
+behind a prefetching all-gather waits for it. With a group of their own, one unit's reduce-scatter and the
+next unit's all-gather run at once. Every rank must issue both groups' collectives in the same order, or
+they deadlock: the passes make the schedule a pure function of the graph.
 
-NOTE [one gloo thread per group]: torch's gloo process group runs a group's collectives on two worker
-threads, and with two collectives of one group in flight (a prefetched all-gather, or two
-reduce-scatters) the process dies within minutes on a corrupt heap ("malloc(): unaligned tcache chunk
-detected", or a segfault): each worker assigns the group's last-completed work name, a heap string,
-without a lock. Four functional all-gathers in flight on one group, waited, in a loop, with no code of
-ours, abort within seconds; with one worker thread the same loop runs clean. So on gloo every group
-FSDP collectives run on is a new group of ``_compat.serial_gloo()``: one worker thread, collectives of
-a group one at a time (as an NCCL communicator runs them), the two groups still concurrent. A rank's
-own collectives on a two-thread gloo group are its own to keep to one in flight.
+NOTE [one gloo thread per group]: gloo runs a group's collectives on two worker threads, and with two in
+flight the process soon dies on a corrupt heap ("malloc(): unaligned tcache chunk detected"): each worker
+sets the group's last-completed work name without a lock. So on gloo each FSDP group is a new group of
+``_compat.serial_gloo()``: one worker thread, one collective at a time (as NCCL), the two groups concurrent.
 """
 
 from __future__ import annotations
@@ -37,29 +30,17 @@ __all__ = ["Dedicated", "FsdpGroups"]
 class Dedicated(str, enum.Enum):
     """Which collective gets a communicator of its own (see NOTE [why two communicators])."""
 
-    REDUCE_SCATTER = "reduce_scatter"  # the seed's convention: all-gathers on the base group
-    ALL_GATHER = "all_gather"  # Megatron-FSDP v1 / torchtitan: reduce-scatters on the base group
-    NONE = "none"  # one communicator for both: the baseline
-
-
-def _require_initialized(what: str) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            f"{what}: no default process group is initialised; call "
-            "torch.distributed.init_process_group('gloo' or 'nccl') first (under torchrun, or with "
-            "MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set)."
-        )
+    REDUCE_SCATTER = "reduce_scatter"  # all-gathers on the base group
+    ALL_GATHER = "all_gather"  # reduce-scatters on the base group
+    NONE = "none"  # one communicator for both
 
 
 @dataclass(eq=False)
 class FsdpGroups:
     """The all-gather group, the reduce-scatter group and, for HSDP, the replicate group.
 
-    Build it once per process with :meth:`create` and pass it to every ``fully_shard`` call; however
-    many models share it, it holds two groups (one when ``dedicated="none"``), plus the replicate group
-    of a 2-D mesh. Call :meth:`destroy` to release the groups it created. On a real process group,
-    :meth:`create` also starts this rank's heartbeat and installs a ``sys.excepthook`` and an ``atexit``
-    note for the cross-rank checks; the last :meth:`destroy` ends them (NOTE [peers]).
+    Build it once per process with :meth:`create`, pass it to every ``fully_shard`` call, and :meth:`destroy`
+    it at the end (which also ends the heartbeat of the cross-rank checks, NOTE [peers]).
     """
 
     all_gather: ProcessGroup
@@ -67,24 +48,20 @@ class FsdpGroups:
     dedicated: Dedicated
     replicate: ProcessGroup | None = None
     _owned: list[ProcessGroup] = field(default_factory=list, repr=False)
-    _heartbeat: bool = field(default=False, repr=False)  # holds a peers.start() (NOTE [peers])
+    _heartbeat: bool = field(default=False, repr=False)  # holds a peers.start()
 
     @classmethod
-    def create(
-        cls,
-        mesh: DeviceMesh | ProcessGroup | None = None,
-        *,
-        dedicated: str | Dedicated = Dedicated.REDUCE_SCATTER,
-    ) -> FsdpGroups:
-        """Make the groups for data parallelism over ``mesh`` (default: every rank of WORLD).
+    def create(cls, mesh: DeviceMesh | ProcessGroup | None = None, *,
+               dedicated: str | Dedicated = Dedicated.REDUCE_SCATTER) -> FsdpGroups:
+        """Make the groups for data parallelism over ``mesh``; collective.
 
-        ``mesh`` is ``None`` (WORLD), a ``ProcessGroup`` or a 1-D ``DeviceMesh`` (shard over all its
-        ranks), or a 2-D ``DeviceMesh`` of shape ``(replicate, shard)`` for HSDP. ``dedicated`` picks which
-        collective gets a communicator of its own: ``"reduce_scatter"`` (default), ``"all_gather"`` or
-        ``"none"``. Every rank must call this collectively, in the same order as its other group
-        creations.
+        ``mesh``: ``None`` (WORLD), a ``ProcessGroup`` or 1-D ``DeviceMesh``, or a 2-D ``DeviceMesh`` of shape
+        ``(replicate, shard)`` for HSDP. ``dedicated``: which collective gets a communicator of its own.
         """
-        _require_initialized("FsdpGroups.create")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("FsdpGroups.create: no default process group is initialised; call "
+                             "torch.distributed.init_process_group('gloo' or 'nccl') first (under torchrun, or with "
+                             "MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set).")
         try:
             mode = Dedicated(dedicated)
         except ValueError:
@@ -103,15 +80,11 @@ class FsdpGroups:
             elif mesh.ndim == 2:
                 replicate, base = mesh.get_group(0), mesh.get_group(1)
             else:
-                raise ValueError(
-                    f"FsdpGroups.create: a {mesh.ndim}-D DeviceMesh is not supported; pass a 1-D mesh "
-                    "(shard) or a 2-D mesh (replicate, shard), e.g. init_device_mesh(dev, (r, s))."
-                )
+                raise ValueError(f"FsdpGroups.create: a {mesh.ndim}-D DeviceMesh is not supported; pass a 1-D mesh "
+                                 "(shard) or a 2-D mesh (replicate, shard), e.g. init_device_mesh(dev, (r, s)).")
         else:
-            raise TypeError(
-                f"FsdpGroups.create: mesh must be None, a ProcessGroup or a DeviceMesh, not "
-                f"{type(mesh).__name__}."
-            )
+            raise TypeError(f"FsdpGroups.create: mesh must be None, a ProcessGroup or a DeviceMesh, not "
+                            f"{type(mesh).__name__}.")
         assert base is not None
         owned: list[ProcessGroup] = []
         serial = dist.get_backend(base) == "gloo"  # NOTE [one gloo thread per group]
@@ -143,8 +116,7 @@ class FsdpGroups:
         return 1 if self.replicate is None else self.replicate.size()
 
     def destroy(self) -> None:
-        """Destroy the groups this object created (not WORLD, not a mesh's own groups), and release its
-        share of the heartbeat and hooks (NOTE [peers])."""
+        """Destroy the groups this object created, and release its share of the heartbeat (NOTE [peers])."""
         for pg in self._owned:
             dist.destroy_process_group(pg)
         self._owned.clear()
@@ -154,12 +126,7 @@ class FsdpGroups:
 
 
 def _same_ranks_group(base: ProcessGroup, *, desc: str, backend: str | None) -> ProcessGroup:
-    """Another communicator over exactly the ranks of ``base``, with its timeout, on ``backend`` (None:
-    the default group's).
-
-    ``new_group`` must be entered by every rank of WORLD; on a 2-D mesh each rank only knows its own
-    shard group, so the ranks learn every shard group and make a twin of each, in one order.
-    """
+    """Another communicator over the ranks of ``base`` (every rank of WORLD makes a twin of every such group)."""
     ranks = dist.get_process_group_ranks(base)
     timeout = datetime.timedelta(seconds=group_timeout_s(base))
     if base is dist.group.WORLD or len(ranks) == dist.get_world_size():

@@ -10,13 +10,8 @@
     ...train...
     save_pretrained(model, "path/to/out")                   # rank 0 writes; from_pretrained reads it
 
-Rank 0 alone reads the safetensors files; the tensors reach the other ranks one at a time (NOTE
-[rank-0 broadcast] in ``full_state.py``). Non-persistent buffers (the rotary ``inv_freq``) are in no
-checkpoint: ``to_empty`` leaves them uninitialised, and :func:`init_buffers` recomputes them through the
-model's own ``_init_weights``. A tied output head (``tie_word_embeddings``) stays one parameter through
-``to_empty`` (NOTE [converted parameters] in ``materialize.py``) and is written once, as
-``save_pretrained`` writes it. ``safetensors`` (which ``transformers`` installs) is needed only here: ``import fsdp_compile`` does not
-load this module.
+Rank 0 alone reads the files (NOTE [rank-0 broadcast] in ``full_state.py``). Needs ``safetensors``, so
+``import fsdp_compile`` does not load this module.
 """
 
 from __future__ import annotations
@@ -41,10 +36,8 @@ _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def init_buffers(model: nn.Module) -> None:
-    """Fill the non-persistent buffers of a Hugging Face model after ``to_empty`` (on every rank): each
-    module holding one goes through ``model._init_weights(module)``, the model's own init (the rotary
-    embedding's recomputes ``inv_freq``). A module with parameters too is initialised whole: call this
-    before loading weights."""
+    """Fill a Hugging Face model's non-persistent buffers after ``to_empty`` (every rank): each module holding
+    one goes through ``model._init_weights(module)``, whole (parameters too): call it before loading."""
     init = getattr(model, "_init_weights", None)
     if init is None:
         raise TypeError(f"init_buffers: {type(model).__name__} has no _init_weights (not a transformers "
@@ -74,24 +67,22 @@ def _read(path: Path) -> dict[str, Tensor]:
 
 
 def load_pretrained(model: nn.Module, path: str | Path, *, strict: bool = True) -> _IncompatibleKeys:
-    """Load a ``save_pretrained`` directory into ``model`` (sharded, after ``to_empty``): rank 0 reads the
-    safetensors, every rank keeps its rows; the non-persistent buffers are recomputed first
-    (:func:`init_buffers`). Call it on every rank."""
+    """Load a ``save_pretrained`` directory into ``model`` (sharded, after ``to_empty``), after
+    :func:`init_buffers` (non-persistent buffers are in no checkpoint). Collective."""
     init_buffers(model)
     state: dict[str, Tensor] = {}
     error: Exception | None = None
     if dist.get_rank() == 0:
         try:
             state = _read(Path(path))
-        except Exception as e:  # every rank raises it, not rank 0 alone (the others would wait for it)
+        except Exception as e:  # raised on every rank
             error = e
     raise_on_every_rank(error, f"load_pretrained: reading {path}")
     return broadcast_full_state_dict(model, state, strict, caller="load_pretrained")
 
 
 def _distinct(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``state`` without the second and later names of one tensor (a tied head), as ``save_pretrained``
-    writes it, each tensor contiguous (safetensors' requirement)."""
+    """``state`` with each tensor once (a tied head), contiguous, as ``save_pretrained`` writes it."""
     seen: set[int] = set()
     out = {}
     for name, value in state.items():
@@ -102,10 +93,8 @@ def _distinct(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def save_pretrained(model: nn.Module, path: str | Path, **config_kw: Any) -> None:
-    """Write ``model`` (sharded) as ``save_pretrained`` would: ``config.json`` (plus
-    ``generation_config.json`` where the model has one) and ``model.safetensors`` of the full weights.
-    Every rank gathers each parameter in turn; rank 0 alone holds the full state dict (on the CPU) and
-    writes. ``config_kw`` goes to ``config.save_pretrained``."""
+    """Write ``model`` (sharded) as ``save_pretrained`` would, from rank 0; collective. ``config_kw`` goes to
+    ``config.save_pretrained``."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     error: Exception | None = None
     if dist.get_rank() == 0:
@@ -117,6 +106,6 @@ def save_pretrained(model: nn.Module, path: str | Path, **config_kw: Any) -> Non
             if generation is not None:
                 generation.save_pretrained(out)
             save_file(_distinct(state), str(out / _WEIGHTS), metadata={"format": "pt"})
-        except Exception as e:  # every rank raises it, not rank 0 alone (the others wait here)
+        except Exception as e:  # raised on every rank
             error = e
     raise_on_every_rank(error, f"save_pretrained: writing {path}")  # the barrier: rank 0 has written

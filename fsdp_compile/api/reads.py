@@ -1,8 +1,5 @@
-"""How a sharded parameter is read: the marker compiled code calls, and the guard against gathering.
-
-A sharded module's parameter is read through its class's ``__getattr__`` (``sharding.py`` installs it); read
-while Dynamo traces it is one ``fsdp::unshard`` marker on the shard (NOTE [traced reads]), read eagerly it
-gathers through parametrize.
+"""How a sharded parameter is read: while Dynamo traces, one ``fsdp::unshard`` marker on the shard (NOTE
+[traced reads]); eagerly, a gather through parametrize.
 """
 
 from __future__ import annotations
@@ -23,21 +20,13 @@ __all__ = ["accumulator", "eager_args", "forward_depth_hooks", "in_eager_forward
 
 def traced_unshard(plan: tuple, shard: Callable[[], Tensor], param: Callable[[], ShardedParam],
                    flat: bool = True) -> Tensor:
-    """The marker compiled code calls (NOTE [traced reads]), its constants from ``plan``, a parameter's
-    ``read_plan`` (NOTE [one guard per read]); ``shard()`` is its shard and ``param()`` the parameter, looked
-    at only where they are read. It reads the parameter's piece of its unit's flat shard where it has one
-    (NOTE [flat shards] in ``flat_shard.py``) and our backend compiles the trace, else ``shard()`` (always
-    with ``flat=False``: a stacked block's, NOTE [stacked blocks]). A parameter unfrozen since its flat was
-    laid out without gradients is read from its shard; only then is its ``requires_grad`` read, and
-    guarded.
+    """The marker compiled code calls (NOTE [traced reads]) with a parameter's ``read_plan``: on its piece of
+    its flat (NOTE [flat shards] in ``flat_shard.py``) under our backend, else on ``shard()`` (a stacked
+    block's, a parameter unfrozen since its flat was laid out frozen, another backend's).
 
-    NOTE [one guard per read]: every compiled call first checks the guards Dynamo made of what the trace
-    read, and the first kernel waits for that check: the step's host time before the GPU has work. A read
-    takes its constants from one tuple, the plan (the flat's key, the piece's offset, size and shape, the
-    marker's arguments, whether the unit accumulates), which Dynamo guards as one value, where the fields
-    apart were a guard each. It finds the flat in ``FLATS``, one path for all of a flat's members, where
-    each member's own path to the flat made Dynamo add a Python guard that the paths lead to one tensor.
-    The plan is rebuilt whenever a field it copies changes (``ShardedParam.replan``)."""
+    NOTE [one guard per read]: every compiled call first checks its guards, and the first kernel waits. A
+    read takes its constants from one tuple, the plan, which Dynamo guards as one value, and finds the flat in
+    ``FLATS``, one path for all of a flat's members. ``ShardedParam.replan`` rebuilds it on any change."""
     key, offset, numel, piece_shape, args, accumulating = plan
     whole = FLATS[key] if key and flat else None
     if whole is not None and reading_flats() and (whole.requires_grad or not shard().requires_grad):
@@ -46,7 +35,7 @@ def traced_unshard(plan: tuple, shard: Callable[[], Tensor], param: Callable[[],
         piece = shard()
     args = [list(a) if isinstance(a, tuple) else a for a in args]  # the op's int[] and str[] as lists
     accumulators = [param().accumulator] if accumulating else None
-    return torch.ops.fsdp.unshard(piece, *args, accumulators)[0]  # NOTE [outlined units]
+    return torch.ops.fsdp.unshard(piece, *args, accumulators)[0]
 
 
 def accumulator(p: ShardedParam) -> list[Tensor] | None:
@@ -56,21 +45,19 @@ def accumulator(p: ShardedParam) -> list[Tensor] | None:
 
 _forwards = threading.local()  # how many units' forwards run eagerly on this thread
 
-_BETWEEN = arg_names(UNSHARD_ARGS)[1:-1]  # fsdp::unshard's arguments between the shard and the accumulators
+_BETWEEN = arg_names(UNSHARD_ARGS)[1:-1]  # between the shard and the accumulators
 
 
 def read_args(values: dict[str, object]) -> tuple:
-    """``fsdp::unshard``'s arguments between the shard and the accumulators, in order, from ``values`` by
-    name (NOTE [one marker spec])."""
+    """``fsdp::unshard``'s arguments between the shard and the accumulators, from ``values`` by name."""
     return tuple(values[name] for name in _BETWEEN)
 
 
 def eager_args(p: ShardedParam) -> tuple:
-    """The marker arguments of an eager read of ``p``. NOTE [reading a sharded parameter]: inside a unit's
-    forward a read is cast to the mixed-precision ``param_dtype`` (as compiled code reads it); outside
-    any (initialising, ``load_state_dict``, inspecting) it is the parameter's own dtype, so what is
-    written into it lands exactly, as on the unsharded model."""
-    if getattr(_forwards, "depth", 0) > 0:
+    """The marker arguments of an eager read of ``p``: cast to ``param_dtype`` inside a unit's forward (as
+    compiled code reads it), the parameter's own dtype outside any (so what is written into it lands exactly:
+    NOTE [reading a sharded parameter])."""
+    if in_eager_forward():
         return read_args(p.marker_values)
     return read_args({**p.marker_values, "param_dtype": None})
 
@@ -81,8 +68,7 @@ def in_eager_forward() -> bool:
 
 
 def forward_depth_hooks(module: nn.Module) -> None:
-    """Count ``module``'s eager forwards on this thread (what :func:`eager_args` reads); nothing while
-    Dynamo traces."""
+    """Count ``module``'s eager forwards on this thread (what :func:`eager_args` reads)."""
 
     def enter(*_: object) -> None:
         if not torch.compiler.is_compiling():
@@ -98,28 +84,16 @@ def forward_depth_hooks(module: nn.Module) -> None:
 
 def install_read(cls: type, name: str) -> None:
     """NOTE [traced reads]: ``module.<name>``, a sharded parameter of a module of class ``cls`` (parametrize's
-    class for that module alone), read while Dynamo traces, calls the marker on the shard straight away;
-    read eagerly, it is parametrize's property. Through parametrize, each read is two module calls (the
-    parametrization list, then ``Unshard``) that Dynamo traces with their hook checks, about as much work as
-    the rest of a block's tracing, and as many guards; this reads the same shard and makes the same marker
-    call.
+    class for that module alone), read while Dynamo traces, calls the marker on the shard straight away,
+    sparing Dynamo parametrize's two module calls and their guards; read eagerly, it is parametrize's property.
 
-    NOTE [tag-safe reads]: the read is no property on the class. Parametrize's property moves to
-    ``cls._fsdp_props``, and ``cls`` gets a ``__getattr__`` (Python calls it once the attribute is found
-    nowhere else) and a ``__setattr__`` that hands an assigned tensor to the property's setter, as the
-    property did. The trace then reads the plan from the module's own ``_fsdp_reads`` dict (name -> the
-    parameter's ``read_plan``, a tuple of constants; ``None`` off the lean read). Dynamo guards a property
-    by its getter's code and closure, per parameter, and torch 2.11 evaluates the guards of a module
-    subtree holding one every call; a dict of constant tuples is what its recursive dict-tag check skips
-    whole while the module's dict is unchanged, as it skips plain ``nn.Linear``'s parameters. That skip
-    also skips a tensor's guards, and changing ``requires_grad`` changes no dict: on torch 2.11 plain
-    ``torch.compile`` then runs a graph compiled for the old value (a parameter unfrozen gets no
-    gradient). So a read of the shard itself (a stacked block's, a frozen flat's) reaches it through
-    its ``ShardedParam``, an object the skip never covers: its guards, ``requires_grad`` among them, are
-    checked every call. Only flat reads, whose flat is a global checked every call, are skipped. A parameter
-    given parametrizations of its own besides ``Unshard`` leaves the lean read (``_Chain`` sets its plan to
-    ``None``), so the trace guarding on it compiles again, through parametrize's path, which applies them
-    all."""
+    NOTE [tag-safe reads]: parametrize's property moves to ``cls._fsdp_props``, and ``cls`` gets a
+    ``__getattr__`` and a ``__setattr__`` (to the property's setter). The trace reads the plan from the
+    module's ``_fsdp_reads`` dict (``None``: off the lean read), which Dynamo's dict-tag check skips whole
+    while unchanged, as for ``nn.Linear``, where it guards a property per parameter every call. The skip also
+    skips a tensor's guards (``requires_grad`` changes no dict), so a read of the shard itself (a stacked
+    block's, a frozen flat's) goes through its ``ShardedParam``, which the skip never covers. A parameter
+    with parametrizations besides ``Unshard`` leaves the lean read (``_Chain``) for parametrize's path."""
     props = cls.__dict__.get("_fsdp_props")
     if props is None:
         props = dict(getattr(cls, "_fsdp_props", {}))  # a base's names too
@@ -131,9 +105,8 @@ def install_read(cls: type, name: str) -> None:
 
 
 def _read_attr(self: nn.Module, name: str) -> object:
-    # Through the module's attributes (self._fsdp_reads, self._parameters), not self.__dict__[...] as
-    # nn.Module.__getattr__ may: that is the one way Dynamo reaches them that keeps the module a subtree
-    # its guards may skip.
+    # Through the module's attributes, not self.__dict__[...]: the way Dynamo reaches them that keeps the
+    # module a subtree its guards may skip.
     reads = getattr(self, "_fsdp_reads", None) if name != "_fsdp_reads" else None
     if reads is None:
         return nn.Module.__getattr__(self, name)
@@ -155,4 +128,3 @@ def _write_attr(self: nn.Module, name: str, value: object) -> None:
         prop.fset(self, value)  # parametrize's setter: each parametrization's right_inverse
     else:
         nn.Module.__setattr__(self, name, value)
-

@@ -1,16 +1,12 @@
-"""``fully_shard``: turn a module's parameters into dim-0 shards read through the ``unshard`` marker.
+"""``fully_shard``: each call makes one *unit* of the module's parameters that no earlier call took.
 
-Each call makes one *unit*: the module's parameters that no earlier call took. Call it on blocks first,
-then on the root, as with FSDP2. After the call, each of the unit's parameters is the same
-``nn.Parameter`` object as before, now holding this rank's padded dim-0 shard (see NOTE [padding] in
-``ops``), registered as ``<module>.parametrizations.<name>.original``; reading ``module.<name>`` calls
-``fsdp::unshard`` on it, which Dynamo traces and the backend lowers to collectives.
+Each stays the same ``nn.Parameter``, now holding this rank's padded dim-0 shard (NOTE [padding] in
+``markers.py``) as ``<module>.parametrizations.<name>.original``; ``module.<name>`` calls ``fsdp::unshard``.
 """
 
 from __future__ import annotations
 
 import contextlib
-
 import weakref
 from collections import Counter
 from typing import Any
@@ -30,6 +26,7 @@ from fsdp_compile.api.markers import ANONYMOUS_UNIT, read_outside_forward, shard
 from fsdp_compile.api.reads import (accumulator, eager_args, forward_depth_hooks, in_eager_forward,
                                     install_read, read_args, traced_unshard)
 from fsdp_compile.api.stack import BlockStack, add_sharded_block, check_stacks_sharded, stack_of
+from fsdp_compile.api.state_layout import row_range
 from fsdp_compile.api.units import MixedPrecisionPolicy, ShardedParam, Unit, _params, _units, unit_of, units_under
 from fsdp_compile.passes.graph_ops import flatten_shapes
 
@@ -45,15 +42,14 @@ class Unshard(nn.Module):
 
     def forward(self, shard: Tensor) -> Tensor:
         p = self.param
-        if torch.compiler.is_compiling():  # a stack's block reads the shard its stacked body hands in
+        if torch.compiler.is_compiling():  # (a stack's block reads the shard its body hands in)
             return traced_unshard(p.read_plan, lambda: shard, lambda: p, flat=not p.unit.stacked)
         with contextlib.nullcontext() if in_eager_forward() else read_outside_forward():  # NOTE [the slow-path warning]
             (full,) = torch.ops.fsdp.unshard(shard, *eager_args(p), accumulator(p))
         return gathered(full, p)  # NOTE [reading a sharded parameter]
 
     def right_inverse(self, tensor: Tensor) -> Tensor:
-        # Called once at registration with the full param; a shared param's second registration
-        # hands in the shard itself.
+        # Called at registration with the full param; a shared param's second registration hands in the shard.
         if self.param.sharded:
             assert tensor is self.param.shard
             return tensor
@@ -66,8 +62,7 @@ class _Chain(parametrize.ParametrizationList):
     ``fully_shard``, say) takes the parameter off the lean traced read (NOTE [traced reads])."""
 
     def _fsdp_leave_lean_read(self) -> None:
-        # The owner's own dict, shared (not a reference to the owner: a deepcopy or pickle of the model
-        # keeps the two together).
+        # The owner's own dict, shared (a deepcopy or pickle of the model keeps the two together)
         self.__dict__["_fsdp_reads"][self.__dict__["_fsdp_name"]] = None
 
     def append(self, module: nn.Module) -> _Chain:
@@ -94,8 +89,7 @@ class _Chain(parametrize.ParametrizationList):
 
 
 def _lean_read(owner: nn.Module, name: str, sp: ShardedParam | None) -> None:
-    """Put ``owner.<name>`` on the lean traced read (NOTE [traced reads]); ``None``: leave it on
-    parametrize's path (a stack's block, whose compiled body replaces the shard it reads)."""
+    """Put ``owner.<name>`` on the lean traced read (NOTE [traced reads]); ``sp=None``: parametrize's path."""
     install_read(type(owner), name)  # parametrize's class for this module alone
     chain = owner._modules["parametrizations"]._modules[name]  # type: ignore[index]
     if type(chain) is parametrize.ParametrizationList:
@@ -105,83 +99,53 @@ def _lean_read(owner: nn.Module, name: str, sp: ShardedParam | None) -> None:
     reads[name] = sp.read_plan if len(chain._modules) == 1 and sp is not None else None  # kept by replan
 
 
-
 def _local_shard(full: Tensor, sp: ShardedParam) -> Tensor:
-    groups = sp.unit.groups
-    rank = groups.all_gather.rank()
+    start, stop = row_range(sp)
     flat = full.reshape(1) if full.dim() == 0 else full
-    rows = shard_rows(flat.shape[0], groups.shard_size)
-    start, stop = min(rank * rows, flat.shape[0]), min((rank + 1) * rows, flat.shape[0])
-    shard = flat.new_zeros(rows, *flat.shape[1:])
+    shard = flat.new_zeros(shard_rows(flat.shape[0], sp.unit.groups.shard_size), *flat.shape[1:])
     shard[: stop - start].copy_(flat[start:stop])
-    sp.shard_index, sp.real_rows = rank, stop - start
+    sp.real_rows = stop - start
     return shard
 
 
-def _check_params(module: nn.Module, unit_name: str, new: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+def _check_params(unit_name: str, new: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
     devices = {p.device for _, _, p in new}
     if len(devices) > 1:
-        raise ValueError(
-            f"fully_shard({unit_name}): its parameters live on several devices {sorted(map(str, devices))}; "
-            "move the module to one device first (module.to(device)) and call fully_shard again."
-        )
+        raise ValueError(f"fully_shard({unit_name}): its parameters live on several devices "
+                         f"{sorted(map(str, devices))}; move the module to one device first (module.to(device)) "
+                         "and call fully_shard again.")
     for owner, name, p in new:
         if not (p.is_floating_point() or p.is_complex()):
-            raise TypeError(
-                f"fully_shard({unit_name}): parameter {name!r} of {type(owner).__name__} has dtype {p.dtype}; "
-                "only floating-point parameters can be sharded. Register it as a buffer "
-                "(module.register_buffer) instead of an nn.Parameter."
-            )
+            raise TypeError(f"fully_shard({unit_name}): parameter {name!r} of {type(owner).__name__} has dtype "
+                            f"{p.dtype}; only floating-point parameters can be sharded. Register it as a buffer "
+                            "(module.register_buffer) instead of an nn.Parameter.")
 
 
-def fully_shard(
-    module: nn.Module,
-    *,
-    groups: FsdpGroups,
-    reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    outline: bool | None = None,
-) -> nn.Module:
-    """Shard ``module``'s parameters that no earlier ``fully_shard`` call took, as one unit.
+def fully_shard(module: nn.Module, *, groups: FsdpGroups, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy | None = None, outline: bool | None = None) -> nn.Module:
+    """Shard ``module``'s parameters that no earlier ``fully_shard`` call took, as one unit; returns ``module``.
 
-    Call it on each block first, then on the root. ``groups`` comes from ``FsdpGroups.create()``,
-    made once per process. With ``reshard_after_forward`` (default) the forward keeps only shards and
-    the backward gathers again; with ``False`` the gathered params are kept from forward to backward.
-    ``outline``: compile this unit's forward once for every unit with the same forward (NOTE [outlined
-    units] in ``module.py``); ``None`` (default) outlines a unit that holds no other unit and shares
-    its forward with another one, such as a transformer's blocks. Use ``False`` for a block whose
-    forward Dynamo cannot trace whole (a graph break inside it).
-    The unit's shards are laid out as one flat tensor per dtype that compiled code reads (NOTE [flat
-    shards] in ``flat_shard.py``: one input per unit and dtype, a faster compile); the parameters stay
-    the leaves the optimizer updates and autograd differentiates (``torch.autograd.grad(loss, params)``
-    works).
-    ``fully_shard`` of a :class:`~fsdp_compile.api.stack.BlockStack` shards each of its blocks as a unit
-    of its own (what ``for block in stack: fully_shard(block, ...)`` does), and returns the stack; the
-    blocks of a stack are compiled as one body (NOTE [stacked blocks] in ``stack.py``).
-    Returns ``module`` (sharded in place). Buffers stay replicated; frozen parameters are gathered
-    but never reduced. Each call checks, with one small all-reduce, that every rank built the unit's
-    parameters with the same values (NOTE [ranks built alike] in ``materialize.py``); of a module built
-    under ``torch.device("meta")`` only the sizes are compared: shard it, ``module.to_empty(device=...)``,
-    then run its init (NOTE [initialising sharded parameters]) or load rank 0's checkpoint (NOTE [rank-0
-    broadcast]).
+    Call it on each block first, then on the root, with ``groups`` from ``FsdpGroups.create()``.
+    ``reshard_after_forward=False`` keeps the gathered params from forward to backward. ``outline``: compile
+    this unit's forward once for every unit with the same forward (NOTE [outlined units] in ``module.py``);
+    ``None`` (default) decides, ``False`` suits a block Dynamo cannot trace whole. A
+    :class:`~fsdp_compile.api.stack.BlockStack` has each block sharded as a unit of its own. Buffers stay
+    replicated; frozen parameters are gathered, never reduced. Each call checks that every rank built the
+    unit's parameters alike (NOTE [ranks built alike] in ``materialize.py``; only sizes on the meta device:
+    then ``to_empty`` and run the init, NOTE [initialising sharded parameters]).
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "fully_shard: no default process group is initialised; call "
-            "torch.distributed.init_process_group(...) and then groups = FsdpGroups.create() first."
-        )
+        raise ValueError("fully_shard: no default process group is initialised; call "
+                         "torch.distributed.init_process_group(...) and then groups = FsdpGroups.create() first.")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard: expected an nn.Module, got {type(module).__name__}.")
     if not isinstance(groups, FsdpGroups):
-        raise TypeError(
-            f"fully_shard: groups must be an FsdpGroups (FsdpGroups.create()), got {type(groups).__name__}."
-        )
+        raise TypeError(f"fully_shard: groups must be an FsdpGroups (FsdpGroups.create()), got "
+                        f"{type(groups).__name__}.")
     unit_name = class_name(module)
     if module in _units:
-        raise ValueError(
-            f"fully_shard({unit_name}): this module is already a unit; call fully_shard once per module "
-            "(blocks first, then the root)."
-        )
+        raise ValueError(f"fully_shard({unit_name}): this module is already a unit; call fully_shard once per "
+                         "module (blocks first, then the root).")
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
@@ -201,8 +165,8 @@ def fully_shard(
         raise ValueError(f"fully_shard({unit_name}): outline=True, but this block belongs to a BlockStack, whose blocks "
                          "are compiled as one body already (NOTE [stacked blocks]); leave outline=None.")
     check_stacks_sharded(module, unit_name)
-    # Which (owner, name, param) does this unit take? Everything not managed yet; a param that an
-    # earlier unit manages may only appear here behind that unit's parametrization.
+    # The (owner, name, param) this unit takes: everything not managed yet (an earlier unit's params
+    # appear here only behind its parametrization).
     new: list[tuple[nn.Module, str, nn.Parameter]] = []
     visited: set[int] = set()  # a module reachable under two names is sharded once
     for mod_name, owner in module.named_modules(remove_duplicate=False):
@@ -215,24 +179,15 @@ def fully_shard(
             fqn = f"{mod_name}.{pname}" if mod_name else pname
             if p in _params:
                 other = _params[p].unit
-                raise ValueError(
-                    f"fully_shard: parameter {fqn!r} of {unit_name} is shared with unit "
-                    f"{other.fqn or type(other.module).__name__!r} ({_params[p].fqn}); a parameter must belong "
-                    "to one unit: call fully_shard on the closest module that contains all its users "
-                    "instead, or untie the parameter."
-                )
+                raise ValueError(f"fully_shard: parameter {fqn!r} of {unit_name} is shared with unit "
+                                 f"{other.fqn or type(other.module).__name__!r} ({_params[p].fqn}); a parameter must "
+                                 "belong to one unit: call fully_shard on the closest module that contains all its "
+                                 "users instead, or untie the parameter.")
             new.append((owner, fqn, p))
-    _check_params(module, unit_name, new)
+    _check_params(unit_name, new)
 
-    unit = Unit(
-        index=0,  # set by _renumber_subunits below
-        module_ref=weakref.ref(module),
-        groups=groups,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
-        outline=False if stack is not None else outline,
-        stacked=stack is not None,
-    )
+    unit = Unit(index=0, module_ref=weakref.ref(module), groups=groups, reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy, outline=False if stack is not None else outline, stacked=stack is not None)
     unit.built_sums = local_sums(list({id(p): p for _, _, p in new}.values()))  # NOTE [ranks built alike]
     seen: dict[nn.Parameter, ShardedParam] = {}
     for owner, fqn, p in new:
@@ -253,22 +208,16 @@ def fully_shard(
     if stack is not None:
         add_sharded_block(stack, module, unit)
     flatten_unit(unit)
-    _register_unit(module, unit, mp_policy)
-    check_built_alike(module, unit_name, units_under(module), groups)  # NOTE [ranks built alike]
-    return module
-
-
-def _register_unit(module: nn.Module, unit: Unit, mp_policy: MixedPrecisionPolicy) -> nn.Module:
     _units[module] = unit
     _renumber_subunits(module, unit)
     forward_depth_hooks(module)  # eager reads inside a forward: cast (mixed precision), and warned of
     _cast_hooks(module, mp_policy)
+    check_built_alike(module, unit_name, units_under(module), groups)  # NOTE [ranks built alike]
     return module
 
 
 def class_name(module: nn.Module) -> str:
-    """The user's class name of ``module``, not the classes that parametrizations and ``FsdpModule``
-    generate around it."""
+    """The user's class name of ``module``, not parametrize's or ``FsdpModule``'s around it."""
     for cls in type(module).__mro__:
         if not issubclass(cls, FsdpModule) and cls.__module__ != parametrize.__name__:
             return cls.__name__
@@ -276,8 +225,7 @@ def class_name(module: nn.Module) -> str:
 
 
 def _check_order(module: nn.Module, unit_name: str) -> None:
-    """Refuse a module whose parameters an enclosing module's unit already took (root sharded first):
-    it would become a unit with no parameters, and the root would gather everything at once."""
+    """Refuse a module whose parameters an enclosing module's unit already took (root sharded first)."""
     inside = {id(m) for m in module.modules()}
     for mod_name, owner in module.named_modules():
         if not parametrize.is_parametrized(owner):
@@ -286,44 +234,33 @@ def _check_order(module: nn.Module, unit_name: str) -> None:
             other = next((p.param.unit for p in chain if isinstance(p, Unshard)), None)
             if other is not None and id(other.module) not in inside:
                 fqn = f"{mod_name}.{pname}" if mod_name else pname
-                raise ValueError(
-                    f"fully_shard({unit_name}): its parameter {fqn!r} already belongs to the unit of the enclosing "
-                    f"{class_name(other.module)}, so fully_shard was called on the outer module first. Call "
-                    "fully_shard on the blocks first, then on the root (as with FSDP2): "
-                    "`for block in model.layers: fully_shard(block, groups=groups)`, then "
-                    "`fully_shard(model, groups=groups)`."
-                )
+                raise ValueError(f"fully_shard({unit_name}): its parameter {fqn!r} already belongs to the unit of "
+                                 f"the enclosing {class_name(other.module)}, so fully_shard was called on the outer "
+                                 "module first. Call fully_shard on the blocks first, then on the root (as with "
+                                 "FSDP2): `for block in model.layers: fully_shard(block, groups=groups)`, then "
+                                 "`fully_shard(model, groups=groups)`.")
 
 
 def local_shard(module: nn.Module, name: str) -> nn.Parameter:
-    """This rank's shard of the sharded parameter ``module.<name>``, with no communication.
-
-    It is the ``nn.Parameter`` the optimizer updates and ``model.parameters()`` yields: rows
-    ``[i * r, (i + 1) * r)`` of dim 0 of the full parameter for the rank at place ``i`` of the shard group
-    (``r = ceil(dim0 / shard world)``), zero-padded past the end (NOTE [padding]); its ``.grad`` is this
-    rank's rows of the averaged gradient. Reading ``module.<name>`` instead gathers the full parameter
-    from every rank (NOTE [reading a sharded parameter]).
+    """This rank's shard of the sharded parameter ``module.<name>``, with no communication: the
+    ``nn.Parameter`` the optimizer updates, rows ``[i * r, (i + 1) * r)`` of the full parameter's dim 0 for
+    the rank at place ``i`` of the shard group (``r = ceil(dim0 / shard world)``), zero-padded (NOTE [padding]).
     """
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
     chain = owner.parametrizations[leaf] if parametrize.is_parametrized(owner, leaf) else ()  # type: ignore[index]
     if not any(isinstance(p, Unshard) for p in chain):
-        raise ValueError(
-            f"local_shard: {name!r} of {type(module).__name__} is not a sharded parameter; call fully_shard on "
-            f"the module that holds it first, or read module.{name} directly."
-        )
+        raise ValueError(f"local_shard: {name!r} of {type(module).__name__} is not a sharded parameter; call "
+                         f"fully_shard on the module that holds it first, or read module.{name} directly.")
     return chain.original  # type: ignore[union-attr]
 
 
 def _cast(tensors: object, dtype: torch.dtype) -> object:
-    return tree_map_only(
-        Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tensors
-    )
+    return tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tensors)
 
 
 def _cast_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
-    """Mixed precision at the unit's boundary: floating inputs to ``param_dtype`` (when
-    ``cast_forward_inputs``), floating outputs to ``output_dtype``."""
+    """Mixed precision at the unit's boundary: floating inputs to ``param_dtype``, outputs to ``output_dtype``."""
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         dtype = mp.param_dtype
         module.register_forward_pre_hook(lambda _m, args, kwargs: (_cast(args, dtype), _cast(kwargs, dtype)),
@@ -334,11 +271,7 @@ def _cast_hooks(module: nn.Module, mp: MixedPrecisionPolicy) -> None:
 
 
 def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
-    """Name units and params relative to the newest root and number units in forward order.
-
-    Graph op arguments then read ``layers.0.attn.wq.weight`` and units ``0..n-1`` however many models
-    this process built before, which keeps schedules (and their snapshots) stable.
-    """
+    """Name units relative to the newest root and number them in forward order (stable schedules)."""
     order: list[Unit] = []
     for mod_name, mod in root.named_modules():
         sub = _units.get(mod)
@@ -350,18 +283,16 @@ def _renumber_subunits(root: nn.Module, root_unit: Unit) -> None:
     _choose_outlined(order)
     for i, unit in enumerate(order):
         unit.index = i
-        key_flats(unit)  # its flats' keys name it (NOTE [one guard per read] in reads.py)
+        key_flats(unit)  # its flats' keys name it
         for sp in unit.params:
             sp.marker_values = _marker_values(sp)
-            # NOTE [anonymous reads] in markers.py: a traced read names no unit; the backend names it
+            # NOTE [anonymous reads] in markers.py
             sp.traced_args = read_args({**sp.marker_values, "unit": ANONYMOUS_UNIT, "names": ""})
             sp.replan()
 
 
 def _choose_outlined(units: list[Unit]) -> None:
-    """(NOTE [outlined units]) Make outline candidates of the units that hold no other unit and share their
-    forward with another such unit, unless ``fully_shard(outline=)`` said otherwise; switch their classes
-    (which blocks then share a body is decided from their traced graphs: NOTE [outlining by proof])."""
+    """(NOTE [outlined units]) Decide which units are outline candidates, and switch their classes."""
     inside: dict[int, list[Unit]] = {id(u): [] for u in units}
     for outer in units:
         mods = {id(m) for m in outer.module.modules()}
@@ -371,38 +302,26 @@ def _choose_outlined(units: list[Unit]) -> None:
     for unit in units:
         if unit.outline and inside[id(unit)]:
             names = ", ".join(repr(u.fqn) for u in inside[id(unit)][:3])
-            raise ValueError(
-                f"fully_shard({class_name(unit.module)}): outline=True, but it holds other units ({names}); a unit "
-                "that holds others cannot be outlined. Outline the inner units instead (outline=True on them, "
-                "or leave outline=None)."
-            )
+            raise ValueError(f"fully_shard({class_name(unit.module)}): outline=True, but it holds other units "
+                             f"({names}); a unit that holds others cannot be outlined. Outline the inner units "
+                             "instead (outline=True on them, or leave outline=None).")
         decided = unit.outline if unit.outline is not None else forwards.get(forward_of(unit.module), 0) >= 2
         unit.outlined = bool(decided) and not inside[id(unit)] and not unit.stacked  # NOTE [stacked blocks]
         mix_in(unit.module, outlined=unit.outlined)
 
 
 def _marker_values(p: ShardedParam) -> dict[str, object]:
-    """The arguments of ``fsdp::unshard`` besides the shard and the accumulators, by name (NOTE [one marker
-    spec]), all constants: one piece, ``p``'s shard."""
+    """``fsdp::unshard``'s constant arguments for ``p``'s shard alone, by name (NOTE [one marker spec])."""
     unit = p.unit
     groups = unit.groups
     mp = unit.mp_policy
-    full = list(p.full_shape) or [1]  # (a 0-d parameter is stored as one row)
+    full = list(p.full_shape) or [1]  # a 0-d parameter is stored as one row
     shard_ranks, shard_dims = flatten_shapes([[shard_rows(full[0], groups.shard_size), *full[1:]]])
     ranks, dims = flatten_shapes([p.full_shape])
-    return {
-        "shard_ranks": shard_ranks,
-        "shard_dims": shard_dims,
-        "ranks": ranks,
-        "dims": dims,
-        "names": p.fqn,
-        "world_size": groups.shard_size,
-        "unit": unit.index,
-        "ag_group": groups.all_gather.group_name,
-        "rs_group": groups.reduce_scatter.group_name,
-        "replicate_group": groups.replicate.group_name if groups.replicate is not None else "",
-        "replicate_size": groups.replicate_size,
-        "reshard": unit.reshard_after_forward,
-        "param_dtype": mp.param_dtype,
-        "reduce_dtype": mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype,
-    }
+    return {"shard_ranks": shard_ranks, "shard_dims": shard_dims, "ranks": ranks, "dims": dims, "names": p.fqn,
+            "world_size": groups.shard_size, "unit": unit.index, "ag_group": groups.all_gather.group_name,
+            "rs_group": groups.reduce_scatter.group_name,
+            "replicate_group": groups.replicate.group_name if groups.replicate is not None else "",
+            "replicate_size": groups.replicate_size, "reshard": unit.reshard_after_forward,
+            "param_dtype": mp.param_dtype,
+            "reduce_dtype": mp.reduce_dtype if mp.reduce_dtype is not None else mp.param_dtype}

@@ -1,29 +1,14 @@
 """``BlockStack``: alike blocks that Dynamo traces once, compiled as one body that every block calls.
 
-NOTE [stacked blocks]: an outlined model (NOTE [outlined units] in ``module.py``) hands Dynamo one call
-of the block's region per block, and torch 2.11's Dynamo traces each call again (2.13 re-checks each
-call's guards): the part of a cold compile that grows fastest with depth on the GPUs' torch (README,
-Compile time). A ``BlockStack`` is an ``nn.ModuleList`` of alike blocks that the model calls as one
-module (``h = self.layers(h, *args)``). Traced for ``fsdp_backend``, its forward hands Dynamo one
-``scan`` whose body is block 0 and whose inputs are every block's parameters (their shards, once
-sharded) stacked per role, so Dynamo traces one block however deep the stack. The backend then
-unrolls that loop into one call of the body per block, each reading its own block's tensors (NOTE
-[unrolled stacks] in ``passes/capture/unroll.py``), which is exactly an outlined model: the stacks are never
-built, the body is partitioned and compiled once, and every block's collectives are scheduled across
-blocks (prefetch, eager reduce-scatter) as for any outlined units.
-
-The blocks stay ordinary modules: each is its own ``fully_shard`` unit (``for block in stack:
-fully_shard(block, ...)``, or ``fully_shard(stack, ...)`` for all of them), with its own parameters,
-state-dict names (``layers.3.attn.wq.weight``), checkpoints and accumulation. What the one trace asks
-of them: one class, the same parameter and buffer names, shapes, dtypes and ``requires_grad``, the
-same plain attributes (``BlockStack(..., ignore_attributes=)`` names those the forward does not read,
-such as a cache's layer index), no hooks of their own, and alike sharding (groups, mixed precision,
-resharding). The body reads block 0's code and attributes and every block's own tensors.
-
-Where one trace cannot stand for every block, the stack runs its blocks one by one, as an
-``nn.ModuleList`` loop would: eagerly, under another backend or ``make_backend(outline=False)``, and
-while a block accumulates gradients without sync (each of its reads then passes its own accumulator,
-NOTE [no-sync]).
+NOTE [stacked blocks]: an outlined model (NOTE [outlined units] in ``module.py``) still has Dynamo trace
+each block's call (the part of a cold compile growing fastest with depth). A ``BlockStack`` is an
+``nn.ModuleList`` of alike blocks called as one module (``h = self.layers(h, *args)``); traced for
+``fsdp_backend``, it hands Dynamo one ``scan`` whose body is block 0 and whose inputs are every block's
+parameters (shards) stacked per role. The backend unrolls it into one call of the body per block (NOTE
+[unrolled stacks] in ``passes/capture/unroll.py``): an outlined model, the stacks never built. Each block
+stays its own ``fully_shard`` unit; the one trace asks of them one class, the same parameters, buffers and
+plain attributes, no hooks, and alike sharding. Eagerly, under another backend or
+``make_backend(outline=False)``, or while a block accumulates (NOTE [no-sync]), the blocks run one by one.
 """
 
 from __future__ import annotations
@@ -43,7 +28,7 @@ from fsdp_compile.api.units import ShardedParam, Unit, _units
 
 __all__ = ["BlockStack", "add_sharded_block", "check_stacks_sharded", "stack_of"]
 
-# Block -> the stack holding it (weakly both ways: the stack holds its blocks).
+# Block -> the stack holding it (weakly both ways).
 _stacks: weakref.WeakKeyDictionary[nn.Module, weakref.ref[BlockStack]] = weakref.WeakKeyDictionary()
 
 
@@ -54,34 +39,29 @@ def stack_of(module: nn.Module) -> BlockStack | None:
 
 
 class BlockStack(nn.ModuleList):
-    """``h = block_i(h, *args, **kwargs)`` for each block in turn; compiled by ``fsdp_backend``, the
-    block is traced once for all of them (NOTE [stacked blocks]).
+    """``h = block_i(h, *args, **kwargs)`` for each block in turn, traced once for all by ``fsdp_backend``.
 
-    ``blocks``: alike modules whose forward returns a tensor like its first argument (the hidden state);
-    ``args`` and ``kwargs`` (rotary tables, masks) are the same for every block. ``ignore_attributes``:
-    plain attributes (``int``, ``float``, ``str``, ...) that may differ between blocks because the
-    block's forward does not read them (a KV cache's ``layer_idx``, say); the compiled body sees block
-    0's. Shard it with ``for block in stack: fully_shard(block, groups=groups)`` (each block one unit),
-    or ``fully_shard(stack, groups=groups)``, which does that.
+    ``blocks``: alike modules whose forward returns a tensor like its first argument. ``ignore_attributes``:
+    plain attributes the forward does not read, which may differ (a KV cache's ``layer_idx``). Shard it with
+    ``fully_shard(stack, groups=groups)`` (each block one unit).
     """
 
     def __init__(self, blocks: Iterable[nn.Module], *, ignore_attributes: Iterable[str] = ()) -> None:
         blocks = list(blocks)
         _check_alike(blocks, frozenset(ignore_attributes))
-        # NOTE [scan example values] in _compat.py: torch's scan kernel wrapped, once, from the first stack
-        # made (a process that makes none keeps torch's kernel untouched)
+        # NOTE [scan example values] in _compat.py: torch's scan kernel wrapped once, from the first stack
         scan_example_values_without_autograd(outlining)
         super().__init__()
-        nn.ModuleList.extend(self, blocks)  # (the stack's own extend refuses: its blocks are fixed)
+        nn.ModuleList.extend(self, blocks)  # the stack's own extend refuses
         first = blocks[0]
         self.roles: tuple[str, ...] = tuple(n for n, _ in first.named_parameters())
         self.buffer_roles: tuple[str, ...] = tuple(n for n, _ in first.named_buffers())
-        # Set by fully_shard, per block: its ShardedParam of each role (NOTE [stacked blocks]).
+        # Set by fully_shard, per block: its ShardedParam of each role.
         self.shards: list[tuple[ShardedParam, ...] | None] = [None] * len(blocks)
         for block in blocks:
             _stacks[block] = weakref.ref(self)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy's blocks are its own (deepcopy, pickle)
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy's blocks are its own
         super().__setstate__(state)
         for block in self:
             _stacks[block] = weakref.ref(self)
@@ -110,13 +90,17 @@ class BlockStack(nn.ModuleList):
             out = block(h, *args, **kwargs)
             if not torch.compiler.is_compiling() and (
                     not isinstance(out, Tensor) or out.shape != h.shape or out.dtype != h.dtype):
-                raise TypeError(_bad_output(block, h, out))
+                got = (f"a tensor of shape {tuple(out.shape)} and {out.dtype}" if isinstance(out, Tensor)
+                       else type(out).__name__)
+                raise TypeError(f"BlockStack: {type(block).__name__}.forward returned {got} for an input of shape "
+                                f"{tuple(h.shape)} and {h.dtype}; a stack's block must return a tensor like its first "
+                                "argument (the carried hidden state). Return extra results through a plain "
+                                "nn.ModuleList loop instead of a BlockStack.")
             h = out
         return h
 
     def _one_trace(self) -> bool:
-        """Whether one trace of block 0 stands for every block now: the blocks are sharded (all of them)
-        or not (none), and none accumulates gradients without sync (NOTE [stacked blocks])."""
+        """Whether one trace of block 0 stands for every block now."""
         sharded = [shards is not None for shards in self.shards]
         if any(sharded) and not all(sharded):
             missing = sharded.index(False)
@@ -136,15 +120,13 @@ class BlockStack(nn.ModuleList):
 
 
 def _original(role: str) -> str:
-    """Where a sharded block keeps the shard of ``role`` (``attn.wq.weight``): its parametrization's
-    ``original`` (``attn.wq.parametrizations.weight.original``), which ``functional_call`` can replace."""
+    """Where a sharded block keeps the shard of ``role``: ``attn.wq.parametrizations.weight.original``."""
     owner, _, leaf = role.rpartition(".")
     return f"{owner}.parametrizations.{leaf}.original" if owner else f"parametrizations.{leaf}.original"
 
 
 def add_sharded_block(stack: BlockStack, block: nn.Module, unit: Unit) -> None:
-    """``fully_shard``'s part for a block of ``stack``: record its ShardedParam of each role, after
-    checking that one trace of block 0 can stand for it (NOTE [stacked blocks])."""
+    """``fully_shard``'s part for a block of ``stack``: check it and record its ShardedParam of each role."""
     index = next(i for i, b in enumerate(stack) if b is block)
     by_name = {sp.local_name: sp for sp in unit.params}
     if set(by_name) != set(stack.roles) or any(not parametrize.is_parametrized(block.get_submodule(r.rpartition(".")[0]))
@@ -161,8 +143,7 @@ def add_sharded_block(stack: BlockStack, block: nn.Module, unit: Unit) -> None:
 
 
 def check_stacks_sharded(module: nn.Module, unit_name: str) -> None:
-    """A unit may not take a BlockStack's parameters: each block is a unit of its own (NOTE [stacked
-    blocks]), sharded before any module around the stack."""
+    """Refuse a unit around a BlockStack whose blocks are not units yet."""
     for name, inner in module.named_modules():
         if isinstance(inner, BlockStack):
             loose = [i for i, block in enumerate(inner) if block not in _units]
@@ -174,18 +155,11 @@ def check_stacks_sharded(module: nn.Module, unit_name: str) -> None:
                     "fully_shard(block, groups=groups), or fully_shard(stack, groups=groups)), then the root.")
 
 
-def _bad_output(block: nn.Module, h: Tensor, out: object) -> str:
-    got = f"a tensor of shape {tuple(out.shape)} and {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
-    return (f"BlockStack: {type(block).__name__}.forward returned {got} for an input of shape {tuple(h.shape)} and "
-            f"{h.dtype}; a stack's block must return a tensor like its first argument (the carried hidden "
-            "state). Return extra results through a plain nn.ModuleList loop instead of a BlockStack.")
-
-
 _PLAIN = (bool, int, float, str, type(None))
 
 
 def _attributes(module: nn.Module, ignore: frozenset[str]) -> dict[str, object]:
-    """A module's plain attributes that its forward may read (not its tensors, submodules or hooks)."""
+    """A module's plain attributes that its forward may read."""
     return {k: v for k, v in vars(module).items()
             if not k.startswith("_") and k not in ignore and k != "training" and isinstance(v, _PLAIN)}
 

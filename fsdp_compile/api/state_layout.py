@@ -1,7 +1,5 @@
-"""The layout of a sharded model's state dict under the user's names, and shards <-> DTensors.
-
-What the sharded (DCP, ``checkpoint.py``) and the full (export, rank-0 broadcast, ``full_state.py``) state
-dicts share.
+"""A sharded model's state dict under the user's names, and shards <-> DTensors: what the sharded
+(``checkpoint.py``) and the full (``full_state.py``) state dicts share.
 """
 
 from __future__ import annotations
@@ -23,9 +21,6 @@ from fsdp_compile.api.markers import shard_rows
 from fsdp_compile.api.units import ShardedParam, unit_of
 
 __all__ = ["Entry", "few", "gather_full", "layout", "row_range", "to_dtensor", "to_padded", "unwrap"]
-
-
-# --- Layout: the distinct tensors of a model's state dict and their user-facing names ---
 
 
 @dataclass(eq=False)
@@ -52,11 +47,10 @@ def layout(model: nn.Module, caller: str) -> tuple[list[Entry], list[tuple[str, 
     model = unwrap(model)
     managed = {id(sp.shard): sp for m in model.modules() if (u := unit_of(m)) is not None for sp in u.params}
     if not managed:
-        raise ValueError(
-            f"{caller}: {type(model).__name__} has no fully_shard units; call fully_shard(block, groups=groups) "
-            "on its blocks and then fully_shard(model, groups=groups) before checkpointing (an unsharded "
-            "model needs no conversion: use model.state_dict() / load_state_dict())."
-        )
+        raise ValueError(f"{caller}: {type(model).__name__} has no fully_shard units; call fully_shard(block, "
+                         "groups=groups) on its blocks and then fully_shard(model, groups=groups) before "
+                         "checkpointing (an unsharded model needs no conversion: use model.state_dict() / "
+                         "load_state_dict()).")
     entries: dict[int, Entry] = {}
     order: list[tuple[str, Entry]] = []
     for raw_key, tensor in model.state_dict(keep_vars=True).items():
@@ -70,8 +64,8 @@ def layout(model: nn.Module, caller: str) -> tuple[list[Entry], list[tuple[str, 
         entry.names.append(name)
         entry.raw_keys.append(raw_key)
         order.append((name, entry))
-    # state_dict() walks modules in pre-order, each one's params before its buffers; parametrize moved
-    # sharded params into a ``parametrizations`` child, after the buffers. Sort back (stably).
+    # state_dict() puts each module's params before its buffers; parametrize moved sharded params into a
+    # ``parametrizations`` child, after the buffers. Sort back (stably).
     module_index: dict[str, int] = {}
     for path, _ in model.named_modules(remove_duplicate=False):
         module_index.setdefault(path, len(module_index))
@@ -81,9 +75,6 @@ def layout(model: nn.Module, caller: str) -> tuple[list[Entry], list[tuple[str, 
         return module_index.get(path, len(module_index)), 0 if isinstance(item[1].tensor, nn.Parameter) else 1
 
     return list(entries.values()), sorted(order, key=position)
-
-
-# --- Shards <-> DTensors ---
 
 _meshes: weakref.WeakKeyDictionary[FsdpGroups, dict[str, DeviceMesh]] = weakref.WeakKeyDictionary()
 
@@ -95,7 +86,7 @@ def _mesh(groups: FsdpGroups, device_type: str) -> DeviceMesh:
         return per_device[device_type]
     if groups.replicate is None:
         mesh = DeviceMesh.from_group(groups.all_gather, device_type, mesh_dim_names=("shard",))
-    else:  # row i of the mesh is the shard group of replica i: collect the rows over the replicate group
+    else:  # row i of the mesh is the shard group of replica i
         rows: list[Any] = [None] * groups.replicate_size
         dist.all_gather_object(rows, dist.get_process_group_ranks(groups.all_gather), group=groups.replicate)
         mesh = DeviceMesh.from_group([groups.replicate, groups.all_gather], device_type, mesh=torch.tensor(rows),
@@ -113,13 +104,12 @@ def row_range(sp: ShardedParam) -> tuple[int, int]:
 
 
 def to_dtensor(sp: ShardedParam, padded: Tensor) -> DTensor:
-    """A DTensor of ``sp.full_shape`` from a tensor shaped like ``sp``'s padded shard (param or state)."""
+    """A DTensor of ``sp.full_shape`` from a tensor shaped like ``sp``'s padded shard."""
     groups = sp.unit.groups
     mesh = _mesh(groups, padded.device.type)
     padded = padded.detach()
     if not sp.full_shape:
-        # A 0-d param is one row on group rank 0 (zeros elsewhere), and a 0-d tensor cannot be
-        # Shard(0): give every rank the value and call it replicated.
+        # A 0-d param is one row on group rank 0 and cannot be Shard(0): every rank gets it, replicated.
         value = padded[:1].clone()
         if groups.shard_size > 1:
             dist.broadcast(value, group=groups.all_gather, group_src=0)
@@ -134,16 +124,15 @@ def to_dtensor(sp: ShardedParam, padded: Tensor) -> DTensor:
 
 
 def to_padded(sp: ShardedParam, value: Tensor, name: str) -> Tensor:
-    """This rank's zero-padded shard of ``value``: a DTensor laid out as ``_to_dtensor`` makes it, or a
-    plain tensor of the full shape."""
+    """This rank's zero-padded shard of ``value``: a DTensor as :func:`to_dtensor` makes it, or a plain
+    tensor of the full shape."""
     full = torch.Size(sp.full_shape)
     if not isinstance(value, Tensor):
         raise TypeError(f"{name}: expected a tensor of shape {tuple(full)}, got {type(value).__name__}.")
     if value.shape != full:
-        raise ValueError(
-            f"{name}: the state dict holds shape {tuple(value.shape)} but the model's parameter has shape "
-            f"{tuple(full)}; the checkpoint comes from a different model: build it with the config it was saved with."
-        )
+        raise ValueError(f"{name}: the state dict holds shape {tuple(value.shape)} but the model's parameter has "
+                         f"shape {tuple(full)}; the checkpoint comes from a different model: build it with the "
+                         "config it was saved with.")
     start, stop = row_range(sp)
     if isinstance(value, DTensor):
         if not full:  # replicated (a 0-d DTensor cannot be sharded)
@@ -152,12 +141,10 @@ def to_padded(sp: ShardedParam, value: Tensor, name: str) -> Tensor:
             want = ((stop - start, *full[1:]), (start,) + (0,) * (len(full) - 1))
             got = compute_local_shape_and_global_offset(full, value.device_mesh, value.placements)
             if (tuple(got[0]), tuple(got[1])) != want:
-                raise ValueError(
-                    f"{name}: the DTensor's local part is rows at offset {got[1]} of shape {got[0]}, but this "
-                    f"rank holds {want[0]} at offset {want[1]}; load into the dict that get_model_state_dict / "
-                    "get_optimizer_state_dict returned for this model (dcp.load reshards into it), or pass "
-                    "plain full tensors."
-                )
+                raise ValueError(f"{name}: the DTensor's local part is rows at offset {got[1]} of shape {got[0]}, but "
+                                 f"this rank holds {want[0]} at offset {want[1]}; load into the dict that "
+                                 "get_model_state_dict / get_optimizer_state_dict returned for this model (dcp.load "
+                                 "reshards into it), or pass plain full tensors.")
             local = value.to_local()
     else:
         local = value.reshape(1)[start:stop] if not full else value[start:stop]
@@ -167,16 +154,16 @@ def to_padded(sp: ShardedParam, value: Tensor, name: str) -> Tensor:
 
 
 def gather_full(sp: ShardedParam) -> Tensor:
-    """The full parameter (unpadded) from every rank's shard; collective over the all-gather group."""
+    """The full parameter (unpadded) from every rank's shard; collective."""
     groups, padded = sp.unit.groups, sp.shard.detach().contiguous()
     n = sp.full_shape[0] if sp.full_shape else 1
     if groups.shard_size > 1:
         shard, padded = padded, padded.new_empty(padded.shape[0] * groups.shard_size, *padded.shape[1:])
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the old name is deprecated
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(padded, shard, group=groups.all_gather)
         if padded.shape[0] == n:  # no padding rows: the gathered buffer is the full param, no copy
             return padded.view(sp.full_shape)
-    # A copy: of the shard itself (one rank), or of the real rows alone (a saved tensor holds its whole storage).
+    # A copy: of the shard itself (one rank), or of the real rows alone (not the whole storage).
     return padded[:n].reshape(sp.full_shape).clone()
 
 

@@ -1,7 +1,5 @@
-"""Units and their sharded parameters: what ``fully_shard`` records, kept outside the user's modules.
-
-A registry keyed weakly by module (units) and by tensor identity (params) holds everything, so a
-dropped model frees its entries and no setting is stored as an attribute of a user's module.
+"""Units and their sharded parameters: what ``fully_shard`` records, in a registry keyed weakly by module
+and by tensor, never on the user's modules (a dropped model frees its entries).
 """
 
 from __future__ import annotations
@@ -21,13 +19,10 @@ __all__ = ["MixedPrecisionPolicy", "ShardedParam", "Unit", "is_sharded", "sharde
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """Dtypes for one unit. ``None`` keeps the parameter's own dtype.
-
-    ``param_dtype``: what params are cast to *before* the all-gather (so bf16 halves its bytes).
-    ``reduce_dtype``: what gradients are reduce-scattered in (default: ``param_dtype``).
-    ``output_dtype``: what the unit's floating-point outputs are cast to.
-    ``cast_forward_inputs``: cast the unit's floating-point inputs to ``param_dtype``.
-    Shards, their gradients and the optimizer always stay in the param's own dtype.
+    """Dtypes for one unit; ``None`` keeps the parameter's own. ``param_dtype``: what params are cast to
+    before the all-gather. ``reduce_dtype``: what gradients are reduced in (default: ``param_dtype``).
+    ``output_dtype``: the unit's floating-point outputs. ``cast_forward_inputs``: cast floating inputs to
+    ``param_dtype``. Shards, their gradients and the optimizer stay in the param's own dtype.
     """
 
     param_dtype: torch.dtype | None = None
@@ -48,23 +43,21 @@ class Unit:
     fqn: str = ""
     params: list[ShardedParam] = field(default_factory=list)
     outline: bool | None = None  # what fully_shard(outline=) asked for; None: decide (NOTE [outlined units])
-    outlined: bool = False  # an outline candidate: may share a body with identical blocks (NOTE [outlined units])
-    stacked: bool = False  # a block of a BlockStack, traced once with the stack's other blocks (NOTE [stacked blocks])
-    flats: list[Tensor] = field(default_factory=list)  # one per dtype: its shards, views of it (NOTE [flat shards])
-    requires_grad_sync: bool = True  # see NOTE [no-sync] in accumulate.py; set through set_sync
+    outlined: bool = False  # an outline candidate
+    stacked: bool = False  # a block of a BlockStack (NOTE [stacked blocks])
+    flats: list[Tensor] = field(default_factory=list)  # NOTE [flat shards]
+    requires_grad_sync: bool = True  # NOTE [no-sync] in accumulate.py; set through set_sync
     pending: bool = False  # accumulated full gradients not yet reduced; set through set_sync
     flush_queued: bool = False
-    built_sums: Tensor | None = None  # its params' checksums at fully_shard, until compared (NOTE [ranks built alike])
+    built_sums: Tensor | None = None  # its params' checksums until compared (NOTE [ranks built alike])
 
     @property
     def accumulating(self) -> bool:
-        """Whether its reads pass accumulators: it does not sync, or holds gradients not reduced yet (NOTE
-        [no-sync] in ``accumulate.py``)."""
+        """Whether its reads pass accumulators: it does not sync, or holds gradients not reduced yet."""
         return not self.requires_grad_sync or self.pending
 
     def set_sync(self, *, requires_grad_sync: bool | None = None, pending: bool | None = None) -> None:
-        """Set what :attr:`accumulating` reads and hand it to each param's ``read_plan``, where compiled reads
-        check it (NOTE [one guard per read] in ``reads.py``)."""
+        """Set what :attr:`accumulating` reads, and replan each param (NOTE [one guard per read] in ``reads.py``)."""
         if requires_grad_sync is not None:
             self.requires_grad_sync = requires_grad_sync
         if pending is not None:
@@ -88,29 +81,22 @@ class ShardedParam:
     local_name: str  # relative to the unit's module
     unit: Unit
     sharded: bool = False  # True once ``shard`` holds the shard rather than the full param
-    shard_index: int = 0  # this rank's place in the shard group: it holds rows [index * rows, ...)
-    real_rows: int = 0  # rows of ``shard`` that are the param's (the rest are padding, NOTE [padding])
-    accumulator: Tensor | None = None  # the leaf that collects full grads without sync (accumulate.py)
-    marker_values: dict[str, object] = field(default_factory=dict)  # fsdp::unshard's constant arguments by name,
-    # set whenever units are (re)numbered
-    traced_args: tuple = ()  # what compiled code passes instead: no unit or name (NOTE [anonymous reads])
-    # NOTE [flat shards] in flat_shard.py: the unit's flat tensor that ``shard`` is a view of, from element
-    # ``offset`` on; compiled code reads that piece of it. ``None``: compiled code reads ``shard``.
+    real_rows: int = 0  # rows of ``shard`` that are the param's (the rest are padding)
+    accumulator: Tensor | None = None  # NOTE [no-sync]
+    marker_values: dict[str, object] = field(default_factory=dict)  # fsdp::unshard's constant arguments by name
+    traced_args: tuple = ()  # what compiled code passes instead (NOTE [anonymous reads])
+    # The flat ``shard`` views from element ``offset`` on (NOTE [flat shards]); ``None``: reads read ``shard``.
     flat: Tensor | None = None
     offset: int = 0
-    piece_shape: tuple[int, ...] = ()  # the shard's shape, as compiled code views its piece
-    # Every constant a compiled read takes, in one tuple that Dynamo guards as one value (NOTE [one
-    # guard per read] in reads.py): (the flat's key, offset, elements, piece_shape, traced_args, accumulating).
+    piece_shape: tuple[int, ...] = ()
+    # (flat's key, offset, elements, piece_shape, traced_args, accumulating): NOTE [one guard per read]
     read_plan: tuple = ()
-    # (module, name) of every module that reads it as ``module.<name>`` (NOTE [converted parameters] in
-    # materialize.py), weakly: the registry must not keep a dropped model alive.
+    # (module, name) of every module reading it as ``module.<name>``, weakly (NOTE [converted parameters])
     owners: list[tuple[weakref.ref[nn.Module], str]] = field(default_factory=list)
 
     def replan(self) -> None:
-        """Recompute :attr:`read_plan` from the fields it copies (after any of them changes), and hand it to
-        every owner that reads it on the lean read (NOTE [tag-safe reads] in ``reads.py``: constants only,
-        lists as tuples)."""
-        key = self.flat._fsdp_layout.key if self.flat is not None else ""  # (in FLATS; "": no flat)
+        """Recompute :attr:`read_plan` and hand it to every owner on the lean read (NOTE [tag-safe reads])."""
+        key = self.flat._fsdp_layout.key if self.flat is not None else ""
         args = tuple(tuple(a) if isinstance(a, list) else a for a in self.traced_args)
         self.read_plan = (key, self.offset, math.prod(self.piece_shape), self.piece_shape, args,
                           self.unit.accumulating)
@@ -127,11 +113,9 @@ class ShardedParam:
 
 
 FLATS: dict[str, Tensor] = {}
-"""Every unit's flat shards by key (``read_plan[0]`` of their members), where compiled reads find them: one place
-for all the members of a flat, so that Dynamo reaches each flat by one path (NOTE [one guard per read]).
-``flat_shard.key_flats`` enters a unit's flats; those replaced, renamed or of a dropped module leave."""
+"""Every unit's flat shards by key, where compiled reads find them (NOTE [one guard per read])."""
 
-# Module -> unit and shard -> param, keyed weakly so that dropping a model frees everything.
+# Module -> unit and shard -> param, keyed weakly.
 _units: weakref.WeakKeyDictionary[nn.Module, Unit] = weakref.WeakKeyDictionary()
 _params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Tensor -> ShardedParam, by identity
 

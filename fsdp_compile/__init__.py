@@ -19,24 +19,10 @@ from fsdp_compile.api.sharding import MixedPrecisionPolicy, fully_shard, local_s
 from fsdp_compile.api.stack import BlockStack
 
 __all__ = [
-    "BlockStack",
-    "Dedicated",
-    "FsdpGroups",
-    "FsdpModule",
-    "MixedPrecisionPolicy",
-    "ShardGrad",
-    "fsdp_backend",
-    "fully_shard",
-    "get_full_model_state_dict",
-    "get_model_state_dict",
-    "get_optimizer_state_dict",
-    "latest_checkpoint",
-    "local_shard",
-    "make_backend",
-    "save_checkpoint",
-    "set_model_state_dict",
-    "set_optimizer_state_dict",
-    "set_requires_gradient_sync",
+    "BlockStack", "Dedicated", "FsdpGroups", "FsdpModule", "MixedPrecisionPolicy", "ShardGrad", "fsdp_backend",
+    "fully_shard", "get_full_model_state_dict", "get_model_state_dict", "get_optimizer_state_dict",
+    "latest_checkpoint", "local_shard", "make_backend", "save_checkpoint", "set_model_state_dict",
+    "set_optimizer_state_dict", "set_requires_gradient_sync",
 ]
 
 

@@ -1,8 +1,5 @@
-"""Every private torch API fsdp-compile uses, in one place (supported: torch >= 2.11).
-
-Where these move between releases, the fallback belongs here and nowhere else. Checked on torch 2.13
-(CPU, CI) and 2.11 (CUDA).
-"""
+"""Every private torch API fsdp-compile uses, in one place (supported: torch >= 2.11); fallbacks for
+names that move between releases belong here."""
 
 from __future__ import annotations
 
@@ -50,10 +47,7 @@ def register_collective_work(tensor: torch.Tensor, work: dist.Work) -> None:
 
 
 class PythonGroupDevices:
-    """For a process group written in Python: the device queries torch makes of a group's C++ backends,
-    answered as for a group without one. ``distributed_c10d._get_pg_default_device`` reads
-    ``_device_types``; Inductor's collective estimate then asks ``_get_backend(device)`` whether it
-    estimates times (torch 2.11 without catching an error), and falls back to its own formula on no."""
+    """For a process group written in Python: torch's queries of a group's C++ backends, answered."""
 
     @property
     def _device_types(self) -> list[torch.device]:
@@ -76,8 +70,7 @@ class _NoCppBackend:
 
 
 def print_native_stacks_on_fatal_signal() -> None:
-    """On SIGSEGV, SIGABRT and the like, print every thread's native stack to stderr (torch's handler,
-    which then passes the signal on), where the handler is available; Ctrl-C stays Python's."""
+    """On a fatal signal, print every thread's native stack (where torch can); Ctrl-C stays Python's."""
     setter = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
     if setter is not None:
         interrupt = signal.getsignal(signal.SIGINT)
@@ -92,20 +85,16 @@ def default_store() -> dist.Store:
 
 
 def store_connection(store: dist.Store) -> dist.Store:
-    """A second client connection to ``store`` (for a background thread), or ``store`` itself where
-    the store cannot be cloned."""
+    """A second client connection to ``store``, or ``store`` itself where it cannot be cloned."""
     clone = getattr(store, "clone", None)
-    if clone is None:
-        return store
     try:
-        return clone()
+        return store if clone is None else clone()
     except RuntimeError:  # a store type without clone support
         return store
 
 
 def group_timeout_s(group: dist.ProcessGroup) -> float:
-    """The timeout, in seconds, that ``group``'s collectives run under (``init_process_group(timeout=)``
-    or ``new_group(timeout=)``; the backend's default when none was given)."""
+    """The timeout, in seconds, of ``group``'s collectives (the backend's default when none was given)."""
     backend = dist.get_backend(group)
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     try:
@@ -118,8 +107,7 @@ SERIAL_GLOO = "gloo_serial"
 
 
 def serial_gloo() -> str:
-    """The name of gloo with one worker thread per process group (registered on first use), for
-    ``init_process_group`` and ``new_group``: NOTE [one gloo thread per group] in api/groups.py."""
+    """The name of gloo with one thread per group, registered on first use (NOTE [one gloo thread per group])."""
     if SERIAL_GLOO not in dist.Backend.backend_list:
         def create(store: dist.Store, rank: int, size: int, timeout: Any) -> dist.ProcessGroupGloo:
             options = dist.ProcessGroupGloo._Options()
@@ -131,10 +119,8 @@ def serial_gloo() -> str:
 
 
 def register_foreach_type(cls: type) -> None:
-    """Let ``torch.nn.utils.clip_grad_norm_`` and friends take their foreach path for tensors of type
-    ``cls`` (torch registers ``DTensor`` the same way)."""
+    """Let ``clip_grad_norm_`` and friends take their foreach path for tensors of type ``cls``."""
     from torch.utils import _foreach_utils
-
     if cls not in _foreach_utils._foreach_supported_types:
         _foreach_utils._foreach_supported_types.append(cls)
 
@@ -145,16 +131,12 @@ def queue_end_of_backward(fn: Callable[[], None]) -> None:
 
 
 def serializable(compiler: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiler`` marked as returning Inductor's output code, which AOTAutograd's cache can save and
-    load (NOTE [warm start] in ``cache.py``): its results must carry their graph-cache key."""
+    """``compiler`` marked as returning Inductor's output code, which AOTAutograd's cache saves."""
     return SerializableAOTDispatchCompiler(OutputCode, compiler)
 
 
 def on_each_compile(start: Callable[[Any], None], end: Callable[[Any], None]) -> None:
-    """Call ``start`` when a Dynamo frame compile (tracing, the backend, guards) or a lazily compiled
-    backward begins and ``end`` when it ends, however it ends (Dynamo's compile callbacks, torch 2.11
-    and 2.13: the outermost compile of nested ones calls them once, with its arguments). Idempotent;
-    ``torch._dynamo.reset()`` forgets them, so call it again where that may have happened."""
+    """Call ``start`` and ``end`` around each outermost Dynamo compile (idempotent; a reset forgets them)."""
     handler = torch._dynamo.callback_handler
     if start not in handler.start_callbacks:
         handler.register_start_callback(start)
@@ -163,7 +145,7 @@ def on_each_compile(start: Callable[[Any], None], end: Callable[[Any], None]) ->
 
 
 def in_frame_compile() -> bool:
-    """Whether Dynamo is compiling a frame now (its compile callbacks will call ``end`` when it ends)."""
+    """Whether Dynamo is compiling a frame now."""
     return torch._guards.CompileContext.current_compile_id() is not None
 
 
@@ -173,8 +155,7 @@ def inductor_config_patch(changes: dict[str, Any]) -> Any:
 
 
 def _on_meta(inputs: Any) -> bool:
-    # Inductor's graph passes fold meta-device computations away entirely (nothing is computed on
-    # meta): ``explain`` traces on meta and must keep the graph as written.
+    """Whether a tensor of ``inputs`` is on meta: Inductor's passes would fold the graph away there."""
     leaves = torch.utils._pytree.tree_leaves(inputs)
     return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in leaves)
 
@@ -182,7 +163,6 @@ def _on_meta(inputs: Any) -> bool:
 def inductor_pre_grad_passes(gm: Any, example_inputs: Any) -> Any:
     """Inductor's pre-grad passes on a Dynamo graph, as ``torch.compile``'s Inductor runs them."""
     from torch._inductor import compile_fx as _fx
-
     if _on_meta(example_inputs):
         return gm
     if hasattr(_fx, "_recursive_pre_grad_passes"):
@@ -194,7 +174,6 @@ def inductor_joint_graph_passes(joint: Any, joint_inputs: Any) -> Any:
     """Inductor's joint-graph passes (before partitioning), as its own partition function runs them."""
     from torch._inductor import compile_fx as _fx
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
-
     if _on_meta(joint_inputs):
         return joint
     devices = [t.device for t in torch.utils._pytree.tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)]
@@ -209,30 +188,22 @@ def inductor_joint_graph_passes(joint: Any, joint_inputs: Any) -> Any:
 
 
 def timed(key: str) -> Any:
-    """A context manager adding its duration to torch.compile's timing table under ``key`` (it shows in
-    ``torch._dynamo.utils.compile_times()``, tlparse and :func:`compile_time_metrics`)."""
+    """A context manager adding its duration to torch.compile's timing table under ``key``."""
     from torch._dynamo.utils import dynamo_timed
-
     return dynamo_timed(key)
 
 
 def compile_time_metrics() -> dict[str, float]:
-    """Seconds spent so far in this process under each ``dynamo_timed`` key (Dynamo, AOTAutograd,
-    Inductor and :func:`timed`), summed over compiles."""
+    """Seconds spent so far in this process under each ``dynamo_timed`` key, summed over compiles."""
     from torch._dynamo.utils import compilation_time_metrics
-
     return {key: float(sum(values)) for key, values in compilation_time_metrics.items()}
 
 
 @contextlib.contextmanager
 def region_schemas_once() -> Iterator[None]:
-    """Within the context, each ``invoke_subgraph`` body derives its schema once, not once per call.
-
-    Under autograd, torch checks every call of a body for input mutation by tracing the body again
-    (``HigherOrderOperator.py_autograd_impl -> gen_schema``, torch 2.11 and 2.13): for a model of N
-    identical outlined blocks, N traces of the block during AOTAutograd where one answers. The schema
-    depends only on the body, so calls of one body (by identifier and graph) reuse the first answer.
-    """
+    """Within the context, each ``invoke_subgraph`` body derives its schema once, not once per call:
+    under autograd torch re-traces the body at every call to check for input mutation, and the schema
+    depends only on the body."""
     hop_type = type(torch.ops.higher_order.invoke_subgraph)
     original = hop_type.gen_schema
     answers: dict[tuple[object, int], Any] = {}
@@ -256,20 +227,14 @@ def lowering_outlined_bodies() -> Iterator[None]:
     """Within the context, Inductor never reuses an ``invoke_subgraph`` body's inputs in place, and does
     not re-check their sizes at every call.
 
-    NOTE [donated subgraph inputs]: a backward graph's saved tensors may be *donated*: Inductor reuses
-    their memory once their last use is done (``bw_donated_idxs``, placeholder positions of the
-    backward graph). A body lowered inside that backward (``SubgraphLowering``) inherits the list and
-    applies it to its *own* placeholder positions (torch 2.11 and 2.13): an input of the body at a
-    position the outer graph donates is then overwritten in place, even when the outer graph reads it
-    (or an alias the body returns) after the call. Seen as wrong gradients from an outlined block at 2
-    ranks: the body wrote its result into its incoming gradient buffer and returned it, and the outer
-    graph reused that buffer at once. A body's inputs belong to the graph that calls it, so none is
-    donated; the outer graph keeps its own donations.
+    NOTE [donated subgraph inputs]: a body lowered inside a backward (``SubgraphLowering``) inherits the
+    backward's ``bw_donated_idxs`` and applies them to its *own* placeholder positions, so it may
+    overwrite an input that the outer graph still reads (seen as wrong gradients). A body's inputs
+    belong to the calling graph, so none is donated; the outer graph keeps its own donations.
 
-    NOTE [body input checks]: Inductor's generated code checks each graph input's size and stride once
-    per call (``assert_size_stride``). For a body those inputs come from the calling graph, whose
-    buffers Inductor laid out itself and constrained to the body's layouts: the checks are 40 host calls
-    per block and step that can only pass. The calling graph keeps its own.
+    NOTE [body input checks]: a body's inputs come from the calling graph, whose buffers Inductor laid
+    out to the body's layouts, so the per-call ``assert_size_stride`` checks can only pass; they are
+    dropped for bodies only.
     """
     from torch._inductor.codegen.wrapper import SubgraphPythonWrapperCodegen
     from torch._inductor.graph import SubgraphLowering
@@ -292,21 +257,16 @@ def lowering_outlined_bodies() -> Iterator[None]:
 
 def keep_output_strides(gm: Any, user_outputs: range | None) -> None:
     """Mark the outputs of ``gm`` that Inductor must return in their traced strides: ``user_outputs``
-    (positions in the flattened output tuple; ``None``: every output), and every output of each
-    ``invoke_subgraph`` body inside it, whose caller was traced against those strides.
+    (positions in the flattened outputs; ``None``: all), and every output of each body it calls.
 
-    NOTE [output strides]: Inductor pads the row stride of buffers on CUDA (``comprehensive_padding``:
-    a bf16 [4096, 10928] matmul result gets stride 10944) unless the buffer is a *user-visible* output,
-    which keeps the strides the graph was traced with. ``compile_fx``'s own forward and backward
-    compilers say which outputs those are (the output node's ``user_visible_output_idxs``: a
-    backward's gradients, a forward's model outputs, a body's results); ``compile_fx_inner``, which the
-    backend calls, does not. Unmarked, the gradient of such a weight leaves the backward padded, and
-    autograd's ``AccumulateGrad`` would copy it into the parameter's layout on every step (a strided
-    copy per block; docs/performance.md). Saved activations stay unmarked: padding
-    them is Inductor's choice, as under ``compile_fx``.
+    NOTE [output strides]: Inductor pads the row stride of buffers on CUDA (``comprehensive_padding``)
+    unless the buffer is a *user-visible* output (the output node's ``user_visible_output_idxs``).
+    ``compile_fx``'s own compilers mark those; ``compile_fx_inner``, which the backend calls, does not.
+    Unmarked, a weight's gradient leaves the backward padded, and ``AccumulateGrad`` copies it into the
+    parameter's layout every step (docs/performance.md). Saved activations stay unmarked, as under
+    ``compile_fx``.
     """
     from torch.utils import _pytree as pytree
-
     (out,) = gm.graph.find_nodes(op="output")
     leaves = pytree.arg_tree_leaves(*out.args)
     positions = range(len(leaves)) if user_outputs is None else user_outputs
@@ -317,8 +277,7 @@ def keep_output_strides(gm: Any, user_outputs: range | None) -> None:
 
 
 def forward_user_outputs() -> range | None:
-    """Positions of the model's own outputs in the forward graph AOTAutograd is compiling now (after
-    the mutated inputs it returns first), or ``None`` where it says nothing."""
+    """Positions of the model's outputs in the forward graph AOTAutograd is compiling now, or ``None``."""
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
     if meta is None:
@@ -328,21 +287,15 @@ def forward_user_outputs() -> range | None:
 
 
 def donate_no_saved_tensors() -> None:
-    """From a forward compiler: the backward that AOTAutograd compiles with this forward donates none of
-    its saved tensors (nothing to do outside a compile).
+    """From a forward compiler: the backward compiled with this forward donates none of its saved
+    tensors (nothing to do outside a compile).
 
-    NOTE [no donated buffers]: AOTAutograd marks the saved tensors that alias no input or output as
-    *donated* (``bw_donated_idxs``), so that Inductor may write backward results into them, and then
-    refuses ``backward(retain_graph=True)`` wherever the backward was compiled before that call: by an
-    earlier plain ``backward()``, or loaded from AOTAutograd's cache after a run that trained normally (a
-    warm start), on every capture path; plain ``torch.compile`` refuses those too. Only a backward first
-    compiled at a ``retain_graph=True`` call donates nothing (AOTAutograd empties the list then). So
-    that a graph may be kept at any step, nothing is donated: the list is emptied here, as AOTAutograd
-    does, on the metadata that both the backward's compile and the runtime check read (the tracing
-    context's, which is the runtime's where no tensor subclass is traced), and the cache entry saves
-    it empty. Inductor still frees each saved tensor after its last use; what is lost is writing a
-    backward result into one in place (for an outlined model, only outside its bodies, which never
-    reuse their inputs: NOTE [donated subgraph inputs]).
+    NOTE [no donated buffers]: AOTAutograd marks saved tensors that alias no input or output as
+    *donated* (``bw_donated_idxs``) and then refuses ``backward(retain_graph=True)`` wherever the
+    backward was compiled before that call (an earlier plain ``backward()``, or a warm start). So that a
+    graph may be kept at any step, the list is emptied here, on the tracing context's metadata that both
+    the backward's compile and the runtime check read; the cache entry saves it empty. Inductor still
+    frees each saved tensor after its last use; only writing a backward result into one is lost.
     """
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
@@ -351,11 +304,8 @@ def donate_no_saved_tensors() -> None:
 
 
 def traced_for() -> Any:
-    """The backend that the graph Dynamo is tracing right now will be handed to, unwrapped (``None``
-    outside a trace). Called through :func:`torch._dynamo.assume_constant_result`, Dynamo runs it while
-    tracing and keeps its answer as a constant of the graph."""
+    """The backend, unwrapped, that the graph Dynamo is tracing now is for (``None`` outside a trace)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
-
     try:
         tx = getattr(InstructionTranslator, "current_tx", lambda: None)()
     except AttributeError:  # no Dynamo trace on this thread (yet)
@@ -373,16 +323,13 @@ def traced_for() -> Any:
 
 
 def scan_example_values_without_autograd(is_ours: Callable[[], bool]) -> None:
-    """NOTE [scan example values]: when Dynamo traces a ``scan`` (a ``BlockStack``, NOTE [stacked
-    blocks] in ``stack.py``), it gets the call's output values by running the scan on fake tensors, and
-    with inputs that require grad that run goes through scan's autograd kernel, which builds and
-    min-cut partitions the body's joint graph (torch 2.11 and 2.13) only to return values whose shapes
-    the plain forward gives (about half of Dynamo's time on a stack: docs/compile-time.md). Our backend
-    unrolls the scan before AOTAutograd, which traces the unrolled calls afresh, so that joint graph is
-    never used. This wraps the kernel: while ``is_ours()`` (Dynamo is tracing for a backend of
-    ``make_backend``) and no graph is being traced (no proxy mode: only values are computed), the scan
-    runs below autograd and its floating outputs are marked as requiring grad when an input does, as
-    the autograd kernel's would be. Anything else goes to torch's kernel. Installed once."""
+    """NOTE [scan example values]: Dynamo gets a ``scan``'s output values (NOTE [stacked blocks]) by
+    running it on fake tensors, through scan's autograd kernel when inputs require grad, which builds and
+    partitions the body's joint graph only to return shapes. Our backend unrolls the scan before
+    AOTAutograd, so that joint graph is never used. This wraps the kernel: while ``is_ours()`` and no
+    graph is being traced (no proxy mode), the scan runs below autograd and its floating outputs require
+    grad when an input does, as the autograd kernel's would. Anything else goes to torch's kernel.
+    Installed once."""
     from torch._C import DispatchKey
     from torch._higher_order_ops.scan import scan_op
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -411,24 +358,18 @@ def scan_example_values_without_autograd(is_ours: Callable[[], bool]) -> None:
 
 
 def restarts_the_trace(error: BaseException) -> bool:
-    """Whether ``error`` is Dynamo asking to trace the frame again (``RestartAnalysis`` and its kin,
-    raised through a backend): it must reach Dynamo, never be handled as a failure."""
+    """Whether ``error`` is Dynamo asking to trace the frame again: it must reach Dynamo."""
     return isinstance(error, torch._dynamo.exc.RestartAnalysis)
 
 
 def trace_structured_artifact(name: str, payload_fn: Callable[[], str]) -> None:
-    """Write a string artifact called ``name`` to torch's structured trace (what tlparse reads);
-    ``payload_fn`` runs only when the trace is on."""
-    torch._logging.trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": name, "encoding": "string"},
-        payload_fn=payload_fn,
-    )
+    """Write a string artifact to torch's structured trace; ``payload_fn`` runs only when the trace is on."""
+    torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
+                                    payload_fn=payload_fn)
 
 
 def structured_trace_on() -> bool:
-    """Whether this process writes torch's structured trace (``TORCH_TRACE=<dir>``, what tlparse reads):
-    the trace log's file handler has a directory (it adds itself lazily, and opens no file without one)."""
+    """Whether this process writes torch's structured trace (``TORCH_TRACE=<dir>``)."""
     handler = getattr(_logging_internal, "LOG_TRACE_HANDLER", None)
     return (handler is not None and handler in _logging_internal.trace_log.handlers
             and getattr(handler, "root_dir", None) is not None)
@@ -442,4 +383,3 @@ def is_compiled_module(obj: object) -> bool:
 def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
     """``fn`` applied to every leaf of ``tree`` that is a ``kind`` (torch's pytree), the rest kept."""
     return torch.utils._pytree.tree_map_only(kind, fn, tree)
-

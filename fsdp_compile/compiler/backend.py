@@ -1,26 +1,7 @@
-"""``fsdp_backend`` and ``make_backend``: AOTAutograd, a resharding partition, the passes, Inductor.
-
-``torch.compile(model, backend=fsdp_backend)`` on a model prepared with ``fully_shard``:
-
-1. AOTAutograd traces the joint forward+backward graph with Inductor's decompositions (after
-   Inductor's pre-grad passes, as ``torch.compile`` runs them); the graph holds ``fsdp::unshard``
-   markers in forward and ``fsdp::reduce_grad`` markers in backward.
-2. ``partition`` (``partition.py``) runs Inductor's joint-graph passes, marks each unshard of a
-   resharding unit must-recompute, then min-cut partitions: forward saves the *shard* and backward
-   gathers again (see NOTE [reshard by recompute]).
-3. The passes (``passes/``) lower markers to collectives on the two groups and schedule them; the
-   streams are checked, every rank's collective sequence is compared (NOTE [agreement]), and the
-   schedule goes to logs and dumps.
-4. Inductor compiles each graph (``compile_fx_inner``, the order pinned), or, with ``inductor=False``,
-   the scheduled FX graphs run as they are (for debugging).
-
-With Inductor's caches on, a later process start loads the compiled graphs from AOTAutograd's cache and
-skips steps 1-4 (NOTE [warm start] in ``cache.py``).
-
-Outlined units (NOTE [outlined units] in ``module.py``) reach the backend as calls of one
-``invoke_subgraph`` body per kind of block; before step 1 their markers move out to the calls
-(``passes/capture/hoist.py``) and are named after the shards they read, and bodies that cannot stay outlined
-(``outline=False``, a marker left inside) are inlined.
+"""``fsdp_backend`` and ``make_backend``: Dynamo's graph through the capture passes, AOTAutograd with the
+resharding partition (NOTE [reshard by recompute]), the lowering and scheduling passes, the agreement
+check (NOTE [agreement]), then Inductor with the order pinned (or, with ``inductor=False``, the FX graphs
+as they are). A warm start loads the compiled graphs from AOTAutograd's cache (NOTE [warm start]).
 """
 
 from __future__ import annotations
@@ -36,23 +17,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fsdp_compile._compat import (
-    aot_autograd,
-    compile_fx_inner,
-    donate_no_saved_tensors,
-    forward_user_outputs,
-    inductor_config_patch,
-    inductor_pre_grad_passes,
-    keep_output_strides,
-    lowering_outlined_bodies,
-    make_boxed_func,
-    region_schemas_once,
-    restarts_the_trace,
-    select_decomp_table,
-    serializable,
-    structured_trace_on,
-    timed,
-)
+from fsdp_compile._compat import (aot_autograd, compile_fx_inner, donate_no_saved_tensors, forward_user_outputs,
+                                  inductor_config_patch, inductor_pre_grad_passes, keep_output_strides,
+                                  lowering_outlined_bodies, make_boxed_func, region_schemas_once, restarts_the_trace,
+                                  select_decomp_table, serializable, structured_trace_on, timed)
 from fsdp_compile.api import markers as _ops  # noqa: F401  (registers the marker ops)
 from fsdp_compile.api.flat_shard import as_pieces, elided_flats, flat_inputs, is_flat
 from fsdp_compile.api.module import OUTLINES
@@ -61,20 +29,9 @@ from fsdp_compile.compiler import cache
 from fsdp_compile.compiler.collector import defer_full_collections_while_compiling, no_full_collections
 from fsdp_compile.compiler.outlined_markers import read_params
 from fsdp_compile.compiler.partition import partition
-from fsdp_compile.compiler.pipeline import (
-    CAPTURE,
-    FALLBACK,
-    GROUPING,
-    INPUTS,
-    LOWERING,
-    SCHEDULING,
-    BackendOptions,
-    Context,
-    run_stage,
-    scheduler,
-)
+from fsdp_compile.compiler.pipeline import (CAPTURE, FALLBACK, GROUPING, INPUTS, LOWERING, SCHEDULING, BackendOptions,
+                                            Context, run_stage, scheduler)
 from fsdp_compile.inspection import autotune
-from fsdp_compile.inspection.autotune import Choice
 from fsdp_compile.inspection.cost import Hardware
 from fsdp_compile.inspection.dump import dump, report
 from fsdp_compile.inspection.logs import log_schedule, schedule_logged
@@ -85,19 +42,14 @@ from fsdp_compile.safety import agreement, lockstep
 __all__ = ["BackendOptions", "make_backend", "fsdp_backend", "observe_graphs"]
 
 log = logging.getLogger(__name__)
-
-
 _graph_ids = itertools.count()
 _observers: list[Callable[[str, fx.GraphModule], None]] = []
 
 
 @contextlib.contextmanager
 def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
-    """Collect ``(kind, graph)`` for every graph the backend hands on while the context is open.
-
-    ``kind`` is ``"forward"``, ``"backward"`` or ``"inference"``; the graph is the scheduled FX graph
-    exactly as given to Inductor (or run as is, with ``inductor=False``).
-    """
+    """Collect ``(kind, graph)`` for every scheduled FX graph the backend hands to Inductor (or runs) while
+    the context is open; ``kind`` is ``"forward"``, ``"backward"`` or ``"inference"``."""
     seen: list[tuple[str, fx.GraphModule]] = []
     observer = lambda kind, gm: seen.append((kind, gm))  # noqa: E731
     _observers.append(observer)
@@ -108,13 +60,13 @@ def observe_graphs() -> Iterator[list[tuple[str, fx.GraphModule]]]:
 
 
 def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.GraphModule:
-    """Lowering, then scheduling; ``"auto"`` settings resolved on the bucketed graph with the cost model."""
+    """Lowering, then scheduling, with ``"auto"`` settings chosen on the bucketed graph."""
     gm = run_stage(gm, LOWERING, Context(options), recompile=False)
     if options.uses_cost_model():
         choice = autotune.choose(gm, hw, prefetch=options.prefetch, reduce_scatter_bytes=options.reduce_scatter_bytes,
                                  schedule=scheduler(options))
     else:
-        choice = Choice(prefetch=int(options.prefetch), reduce_scatter_bytes=options.reduce_scatter_bytes)
+        choice = autotune.Choice(prefetch=int(options.prefetch), reduce_scatter_bytes=options.reduce_scatter_bytes)
     gm = run_stage(gm, SCHEDULING, Context(options, choice=choice))
     if "streams" not in options.disabled_passes:
         check_streams(gm)  # the annotations say what runs where: NOTE [streams]
@@ -122,23 +74,15 @@ def _schedule(gm: fx.GraphModule, options: BackendOptions, hw: Hardware) -> fx.G
 
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kw: Any) -> Callable[..., Any]:
-    with no_full_collections():  # NOTE [no full collections] (a backward compiles at its first call)
+    with no_full_collections():  # NOTE [no full collections]
         return _compile_graph(gm, example_inputs, **kw)
 
 
-def _compile_graph(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    *,
-    options: BackendOptions,
-    hw: Hardware,
-    is_backward: bool,
-    is_inference: bool,
-) -> Callable[..., Any]:
+def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: BackendOptions, hw: Hardware,
+                   is_backward: bool, is_inference: bool) -> Callable[..., Any]:
     if not is_backward and not is_inference:
         donate_no_saved_tensors()  # NOTE [no donated buffers]: backward(retain_graph=True) at any step
-    # NOTE [compile-time keys]: each stage of ours adds to torch.compile's timing table under an
-    # ``fsdp.*`` key (benchmarks/compile_stages.py reads them beside Dynamo's, AOTAutograd's, Inductor's).
+    # NOTE [compile-time keys]: each stage of ours adds to torch.compile's timing table under an ``fsdp.*`` key.
     with timed("fsdp.passes"):
         gm = _schedule(gm, options, hw)
     kind = "backward" if is_backward else "inference" if is_inference else "forward"
@@ -163,35 +107,23 @@ def _compile_graph(
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], *, graph_id: int, is_backward: bool,
               is_inference: bool) -> Callable[..., Any]:
-    # NOTE [pinning the schedule]: Inductor's memory-driven reordering moves collectives back next to
-    # their waits (prefetches sink, reduce-scatter waits rise), undoing the schedule, and with outlined
-    # bodies it gives wrong gradients (NOTE [regions for our backend only] in module.py). With it off, the
-    # generated code issues collectives and waits in the FX order (tests/test_inductor_order.py checks
-    # the emitted code, and that without the patch the order is not kept). Patched per compile, never
-    # globally.
+    # NOTE [pinning the schedule]: Inductor's memory-driven reordering moves collectives back next to their
+    # waits, undoing the schedule (and with outlined bodies gives wrong gradients). With it off, per compile,
+    # the generated code issues collectives and waits in the FX order.
     keep_output_strides(gm, None if is_backward or is_inference else forward_user_outputs())  # NOTE [output strides]
     pinned = inductor_config_patch({"reorder_for_peak_memory": False})
     with pinned, lowering_outlined_bodies():  # NOTE [donated subgraph inputs]
-        return compile_fx_inner(
-            gm,
-            example_inputs,
-            is_backward=is_backward,
-            is_inference=is_inference,
-            graph_id=graph_id,
-        )
+        return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference,
+                                graph_id=graph_id)
 
 
 def make_backend(**options: Any) -> Any:
     """A ``torch.compile`` backend for models prepared with ``fully_shard``.
 
-    ``options``: the fields of :class:`BackendOptions`, by keyword (each documented there); an unknown
-    name raises ``TypeError``, a bad value ``ValueError``.
-    Which collective gets a communicator of its own comes from the ``FsdpGroups`` the model was
-    sharded with.
-    With Inductor's caches on (torch's default), a later process start loads what this backend compiled
-    instead of compiling again (NOTE [warm start] in ``cache.py``); ``dump_dir``, ``log_pass_diffs``,
-    ``observe_graphs``, ``TORCH_LOGS=fsdp_compile`` and ``TORCH_TRACE`` (tlparse) compile afresh, so that
-    they show the schedule.
+    ``options``: the fields of :class:`BackendOptions`, by keyword; an unknown name raises ``TypeError``,
+    a bad value ``ValueError``. With Inductor's caches on, a later process start loads what this backend
+    compiled (NOTE [warm start]), except under ``dump_dir``, ``log_pass_diffs``, ``observe_graphs``,
+    ``TORCH_LOGS=fsdp_compile`` and ``TORCH_TRACE``, which show each compile's schedule.
     """
     known = [f.name for f in fields(BackendOptions)]
     unknown = sorted(set(options) - set(known))
@@ -201,7 +133,6 @@ def make_backend(**options: Any) -> Any:
 
 
 def _make_backend(options: BackendOptions) -> Any:
-    """The backend of ``options``: AOTAutograd with our partition and compilers, the passes before it."""
     hw = options.cost_model()  # once: an unknown preset or a bad calibration file fails here
     compile_fw = functools.partial(_compile, options=options, hw=hw, is_backward=False, is_inference=False)
     compile_bw = functools.partial(_compile, options=options, hw=hw, is_backward=True, is_inference=False)
@@ -217,27 +148,27 @@ def _make_backend(options: BackendOptions) -> Any:
     settings = repr((options, hw))
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        defer_full_collections_while_compiling()  # NOTE [no full collections]: to this compile's end
+        defer_full_collections_while_compiling()  # NOTE [no full collections]
         with no_full_collections():
             return _backend(gm, example_inputs)
 
     def _backend(gm: fx.GraphModule, given: Sequence[Any]) -> Any:
         _refuse_unmanaged_params(gm, given)
         gm, split = _split_elided_flats(gm, given, options)
-        inputs = as_pieces(given, split)  # the real tensors: capture names markers after the shards they read
+        inputs = as_pieces(given, split)  # the real tensors, which name the markers
         with timed("fsdp.outline"):
             gm = run_stage(gm, CAPTURE, Context(options, inputs))
-        read = read_params(gm)  # (before grouping: one parameter a marker)
+        read = read_params(gm)  # (before grouping)
         gm = inductor_pre_grad_passes(gm, inputs)
         with timed("fsdp.outline"):
             gm = run_stage(gm, GROUPING, Context(options))
         cached = _cacheable(options)
         if cached:
             setattr(gm, cache.ATTRIBUTE, cache.cache_key(gm, settings))
-        # (NOTE [elided flats]) AOTAutograd gets the parameters added as fakes with static sizes
+        # AOTAutograd gets the split parameters as fakes with static sizes (NOTE [elided flats])
         traced = as_pieces(given, split, static_fake) if split else inputs
         compiled = _aot_or_inline(aot_cached if cached else aot_uncached, gm, traced, options)
-        compiled = _with_flat_inputs(compiled, flat_inputs(given, split, read))  # NOTE [flat shards] in flat_shard.py
+        compiled = _with_flat_inputs(compiled, flat_inputs(given, split, read))  # NOTE [flat shards]
         return lockstep.note_failures(compiled) if options.check_agreement else compiled
 
     setattr(backend, OUTLINES, options.outlines())  # NOTE [regions for our backend only]
@@ -246,9 +177,8 @@ def _make_backend(options: BackendOptions) -> Any:
 
 def _aot_or_inline(aot: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any],
                    options: BackendOptions) -> Any:
-    """``aot(gm, example_inputs)``; where AOTAutograd cannot take an outlined body, the same graph with
-    every body inlined (exact, as every block was traced inline: NOTE [outlining by proof]), and one
-    INFO line that says why."""
+    """``aot(gm, example_inputs)``; where AOTAutograd cannot take an outlined body, the graph with every
+    body inlined (NOTE [outlining by proof]), and an INFO line that says why."""
     try:
         with region_schemas_once():
             return aot(gm, example_inputs)
@@ -263,8 +193,8 @@ def _aot_or_inline(aot: Callable[..., Any], gm: fx.GraphModule, example_inputs: 
 
 def _split_elided_flats(gm: fx.GraphModule, example_inputs: Sequence[Any],
                        options: BackendOptions) -> tuple[fx.GraphModule, frozenset[int]]:
-    """NOTE [elided flats] in ``passes/capture/flat_inputs.py``: where the collectives of one-rank units
-    are elided, their flat shards are read as their parameters; the indices of the inputs split."""
+    """Where one-rank units' collectives are elided, their flat shards are read as their parameters
+    (NOTE [elided flats]); returns the indices of the inputs split."""
     flats = elided_flats(example_inputs) if options.elide_single_rank else {}
     if not flats:
         return gm, frozenset()
@@ -278,8 +208,7 @@ def _split_elided_flats(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
 def _with_flat_inputs(compiled: Callable[..., Any], prepare: Callable[[Sequence[Any]], list[Any]] | None
                       ) -> Callable[..., Any]:
-    """``compiled``, called with what ``prepare`` makes of each call's arguments (``flat_inputs`` in
-    ``flat_shard.py``: the flat shards checked, split or passed as functions of their parameters)."""
+    """``compiled``, called with what ``prepare`` (``flat_inputs``) makes of each call's arguments."""
     if prepare is None:
         return compiled
 
@@ -291,16 +220,15 @@ def _with_flat_inputs(compiled: Callable[..., Any], prepare: Callable[[Sequence[
 
 
 def _cacheable(options: BackendOptions) -> bool:
-    """Whether AOTAutograd's cache may serve this compile (NOTE [warm start] in ``cache.py``): not
-    where the user asked to see each compile's schedule (a dump, the log, tlparse's trace)."""
+    """Whether AOTAutograd's cache may serve this compile: not where the user asked to see each
+    compile's schedule (NOTE [warm start])."""
     shown = (options.dump_dir is not None or options.log_pass_diffs or _observers or schedule_logged()
              or structured_trace_on())
     return options.inductor and not shown
 
 
 def _refuse_unmanaged_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-    """A graph that reads sharded params must not also train params outside every unit: their
-    gradients would never be averaged across ranks, and replicas would silently drift apart."""
+    """Raise where a graph of sharded params also trains params outside every unit (never averaged)."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     named = [(n.name, t) for n, t in zip(placeholders, example_inputs) if isinstance(t, nn.Parameter)]
     named += [(name, p) for name, p in gm.named_parameters()]
@@ -308,12 +236,10 @@ def _refuse_unmanaged_params(gm: fx.GraphModule, example_inputs: Sequence[Any]) 
         return  # not an FSDP model: plain Inductor
     loose = [name for name, p in named if p.requires_grad and not is_sharded(p)]
     if loose:
-        raise ValueError(
-            f"fsdp_backend: trainable parameters {loose} are not managed by any fully_shard unit, so their "
-            "gradients would not be averaged across ranks. Call fully_shard(model, groups=groups) on the "
-            "root after its blocks (it takes every remaining parameter), or freeze them "
-            "(param.requires_grad_(False))."
-        )
+        raise ValueError(f"fsdp_backend: trainable parameters {loose} are not managed by any fully_shard unit, so "
+                         "their gradients would not be averaged across ranks. Call fully_shard(model, groups=groups) "
+                         "on the root after its blocks (it takes every remaining parameter), or freeze them "
+                         "(param.requires_grad_(False)).")
 
 
 fsdp_backend = make_backend()

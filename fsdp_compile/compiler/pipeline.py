@@ -1,15 +1,10 @@
 """The backend's options, and the passes they bind, stage by stage.
 
-Each stage is a list of ``(name, build)``: ``build`` binds a pass (of ``passes/``, or the compiler's own
-``name_markers``) to one compile's options; :func:`run_stage` runs the list through ``run_passes``,
-which lints after each pass, can log its diff and switches passes off by name. ``PASS_NAMES``, what
-``disabled_passes`` accepts, is every name of every list.
-
-- ``CAPTURE``, on Dynamo's graph before AOTAutograd; then Inductor's pre-grad passes (torch's own) and
-  ``GROUPING``;
-- ``LOWERING``, on each graph AOTAutograd hands on: markers to bucketed collectives;
-- ``SCHEDULING``, once ``"auto"`` settings are chosen on the bucketed graph: where collectives go;
-- ``FALLBACK``: every outlined body inlined, where AOTAutograd cannot take one.
+Each stage is a tuple of ``(name, build)``: ``build`` binds a pass to one compile's options, and
+:func:`run_stage` runs them through ``run_passes``. ``PASS_NAMES`` (what ``disabled_passes`` accepts) is
+every name of every stage. ``CAPTURE`` and ``GROUPING`` run on Dynamo's graph before AOTAutograd,
+``LOWERING`` and ``SCHEDULING`` on each graph AOTAutograd hands on, ``FALLBACK`` where AOTAutograd cannot
+take an outlined body.
 """
 
 from __future__ import annotations
@@ -46,75 +41,59 @@ __all__ = ["BackendOptions", "Context", "PASS_NAMES", "STAGES", "run_stage", "sc
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """Settings of one backend made by :func:`make_backend`, which takes them by keyword; each is
-    documented below. Paths are kept as ``str`` and ``disabled_passes`` as a tuple."""
+    """Settings of one backend made by :func:`make_backend`, which takes them by keyword. Paths are kept
+    as ``str`` and ``disabled_passes`` as a tuple."""
 
     schedule: str = "eager"
-    """``"eager"`` launches each unit's reduce-scatter as soon as its gradients exist (use with the
-    dedicated reduce-scatter communicator of ``FsdpGroups``); ``"delayed"`` holds it until the next
-    unit's backward all-gather is issued (the baseline, meant for ``dedicated="none"``)."""
+    """``"eager"`` launches each unit's reduce-scatter as soon as its gradients exist (for a dedicated
+    reduce-scatter communicator); ``"delayed"`` holds it until the next unit's backward all-gather is
+    issued (meant for ``dedicated="none"``)."""
     prefetch: int | str = 1
-    """Units whose all-gather is issued ahead of use (0: none); ``"auto"`` picks it with the cost model
-    (the smallest depth within 0.5% of the best estimated step)."""
+    """Units whose all-gather is issued ahead of use (0: none); ``"auto"``: picked by the cost model."""
     prefetch_bytes: int | None = None
     """Cap on bytes gathered but not yet used (``None``: only ``prefetch`` bounds it)."""
     reduce_scatter_bytes: int | str | None = "auto"
-    """Cap on reduce-scatter input bytes in flight; ``"auto"`` (default) keeps one unit's in flight, or,
-    when ``hardware`` is named, picks the smallest cap within 0.5% of the best estimated step; ``None``
-    lets every wait sink to the end of backward."""
+    """Cap on reduce-scatter input bytes in flight; ``"auto"``: one unit's, or picked by the cost model
+    when ``hardware`` is named; ``None``: no cap."""
     inductor: bool = True
     """``False`` runs the scheduled FX graphs without Inductor (for debugging)."""
     elide_single_rank: bool = True
     """``False`` keeps the collectives of one-rank groups (for measuring their cost)."""
     inplace_gather: bool = True
-    """``False`` packs each all-gather bucket into a buffer of its own instead of into its slice of the
-    output (NOTE [in-place all-gather] in ``passes/lower/bucket.py``; for comparison)."""
+    """``False`` packs each all-gather bucket into a buffer of its own, not its slice of the output
+    (NOTE [in-place all-gather])."""
     bucket_alone_bytes: int | None = 16 << 20
-    """A parameter at least this large (full size, bytes) keeps an all-gather and a reduce-scatter of its
-    own, which need no pack or unpack copy; smaller ones share their unit's bucket (NOTE [large params
-    alone]); ``None`` buckets every parameter."""
+    """A parameter at least this large (full size, bytes) keeps its own all-gather and reduce-scatter
+    (NOTE [large params alone]); ``None`` buckets every parameter."""
     check_agreement: bool = True
-    """Before a compiled graph runs, compare its collective sequence with every peer rank's and raise on a
-    difference (NOTE [agreement]), and notice ranks that run different sequences of compiled graphs
-    (NOTE [lockstep]); a peer that failed or is gone is named within seconds, one blocked inside a graph
-    call that needs this rank after ``peers.STUCK_S``, one that is alive elsewhere after
-    ``agreement_timeout_s``."""
+    """Compare each compiled graph's collective sequence with every peer rank's before it runs
+    (NOTE [agreement]), and notice ranks that run different graphs (NOTE [lockstep])."""
     agreement_timeout_s: float | None = None
     """Seconds to wait for a live peer in the agreement check (``None``: the process group's timeout)."""
     dump_dir: str | os.PathLike[str] | None = None
-    """Write each compiled graph's schedule (table, Chrome trace, PNG timeline) there, one set of files
-    per graph and rank."""
+    """Write each compiled graph's schedule (table, Chrome trace, timeline) there, per graph and rank."""
     hardware: str | None = None
-    """A preset of ``cost.HARDWARE`` (default: this device's) for the cost model behind the estimated
-    times in dumps, logs and ``"auto"`` settings."""
+    """A preset of ``cost.HARDWARE`` for the cost model (default: this device's)."""
     calibration: str | os.PathLike[str] | None = None
     """A JSON of measured numbers for the cost model."""
     disabled_passes: Sequence[str] = ()
-    """Passes switched off by name (``PASS_NAMES``: every name in the lists below). A later pass that
-    needs what a switched-off one does fails where it needs it."""
+    """Passes switched off by name (``PASS_NAMES``); a later pass that needs one's work fails."""
     log_pass_diffs: bool = False
     """Log each pass's diff."""
     outline: bool = True
-    """``True``: units that ``fully_shard`` outlined (the repeated blocks, NOTE [outlined units] in
-    module.py) are traced as one body each kind, compiled once and called once per unit, for a compile
-    time that grows slowly with depth; their collectives stay in the whole-model graph and are scheduled
-    across units as before, and they reshard after forward as inline units do. ``False`` traces every
-    block inline (one whole-model graph). Not applied where the cost model picks settings (``"auto"``
-    above): it needs to see every op."""
+    """``True``: repeated blocks are compiled as one body per kind, called once per unit
+    (NOTE [outlined units]); ``False``: every block inline. Not applied where the cost model picks settings."""
 
     def __post_init__(self) -> None:
-        for name in ("dump_dir", "calibration"):  # (frozen: set through object)
+        for name in ("dump_dir", "calibration"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
         if self.schedule not in SCHEDULES:
             raise ValueError(f"make_backend: schedule={self.schedule!r}; use one of {SCHEDULES}")
-        if self.prefetch != "auto" and (
-            not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0
-        ):
-            raise ValueError(
-                f"make_backend: prefetch={self.prefetch!r}; use an int >= 0 (units gathered ahead) or 'auto'"
-            )
+        prefetch = self.prefetch
+        if prefetch != "auto" and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0):
+            raise ValueError(f"make_backend: prefetch={prefetch!r}; use an int >= 0 (units gathered ahead) or 'auto'")
         for name in ("prefetch_bytes", "reduce_scatter_bytes", "bucket_alone_bytes"):
             value = getattr(self, name)
             if value is None or value == "auto" and name == "reduce_scatter_bytes":
@@ -127,19 +106,19 @@ class BackendOptions:
                              "None for the process group's timeout")
         unknown = set(self.disabled_passes) - set(PASS_NAMES)
         if unknown:
-            raise ValueError(f"make_backend: disabled_passes {sorted(unknown)} match no pass; known: {list(PASS_NAMES)}")
+            raise ValueError(f"make_backend: disabled_passes {sorted(unknown)} match no pass; "
+                             f"known: {list(PASS_NAMES)}")
 
     def uses_cost_model(self) -> bool:
-        """Whether a schedule setting is picked by the cost model (``"auto"``, see ``_schedule``)."""
+        """Whether a schedule setting is picked by the cost model."""
         return self.prefetch == "auto" or (self.reduce_scatter_bytes == "auto" and self.hardware is not None)
 
     def outlines(self) -> bool:
-        """Keep outlined units' bodies (NOTE [outlined units]), except when the cost model picks
-        settings: it estimates compute node by node and does not see inside a subgraph call."""
+        """Keep outlined bodies, except where the cost model, which cannot see inside them, picks settings."""
         return self.outline and not self.uses_cost_model()
 
     def cost_model(self) -> Hardware:
-        """The hardware model behind estimates and ``"auto"``: the named preset, else this device's."""
+        """The hardware model: the named preset, else this device's."""
         if self.hardware is None and self.calibration is None:
             return detect_hardware()
         return load_hardware(self.hardware or detect_hardware(), self.calibration)
@@ -147,8 +126,7 @@ class BackendOptions:
 
 @dataclass(frozen=True)
 class Context:
-    """What one compile's passes are bound to: the options, Dynamo's example inputs (capture), the
-    flat inputs to split (NOTE [elided flats]), the settings chosen for ``"auto"`` (scheduling)."""
+    """What one compile's passes are bound to."""
 
     options: BackendOptions
     example_inputs: Sequence[Any] = ()
@@ -160,16 +138,14 @@ class Context:
         return self.choice
 
     def rank_of(self) -> Callable[[str], int] | None:
-        """This rank's index in a group, for the in-place all-gather (``None``: gather out of place)."""
+        """This rank's index in a group, for the in-place all-gather (``None``: out of place)."""
         return (lambda group: resolve_group(group).rank()) if self.options.inplace_gather else None
 
 
 Stage = tuple[tuple[str, Callable[[Context], GraphPass]], ...]
 _partial = functools.partial
 
-INPUTS: Stage = (
-    ("split_flat_inputs", lambda c: _partial(split_flat_inputs_pass, pieces=c.pieces)),  # NOTE [elided flats]
-)
+INPUTS: Stage = (("split_flat_inputs", lambda c: _partial(split_flat_inputs_pass, pieces=c.pieces)),)
 CAPTURE: Stage = (
     ("outline", lambda c: _partial(outline_blocks_pass, is_block=is_outline_candidate)),  # NOTE [outlining by proof]
     ("unroll", lambda c: unroll_scans_pass),  # NOTE [unrolled stacks]
@@ -179,9 +155,7 @@ CAPTURE: Stage = (
     ("inline_nested", lambda c: inline_nested_pass),
     ("name_markers", lambda c: _partial(name_markers, example_inputs=c.example_inputs)),  # NOTE [outlined units]
 )
-GROUPING: Stage = (
-    ("group_markers", lambda c: group_markers_pass),  # NOTE [flat markers]
-)
+GROUPING: Stage = (("group_markers", lambda c: group_markers_pass),)  # NOTE [flat markers]
 LOWERING: Stage = (
     ("share", lambda c: _partial(share_subgraphs_pass, recompile=False)),
     ("lower", lambda c: _partial(lower_markers_pass, elide_single_rank=c.options.elide_single_rank,
@@ -194,30 +168,22 @@ SCHEDULING: Stage = (
     ("streams", lambda c: streams_pass),  # NOTE [streams]
     ("absorb", lambda c: absorb_copies_pass),  # NOTE [copies inside bodies]
 )
-FALLBACK: Stage = (
-    ("inline_all", lambda c: inline_subgraphs_pass),  # NOTE [outlining by proof]
-)
+FALLBACK: Stage = (("inline_all", lambda c: inline_subgraphs_pass),)  # NOTE [outlining by proof]
 STAGES = (INPUTS, CAPTURE, GROUPING, LOWERING, SCHEDULING, FALLBACK)
 PASS_NAMES = tuple(name for stage in STAGES for name, _ in stage)
 
 
-def _switched_off(options: BackendOptions) -> set[str]:
-    """The passes not run under ``options``: ``disabled_passes``, and ``outline`` where bodies are not kept."""
-    off = set(options.disabled_passes)
-    if not options.outlines():
-        off.add("outline")
-    return off
-
-
 def run_stage(gm: fx.GraphModule, stage: Stage, context: Context, *, recompile: bool = True) -> fx.GraphModule:
-    """``stage``'s passes, bound to ``context``, through ``run_passes``; ``recompile=False`` leaves the
-    recompile to the next stage."""
+    """``stage``'s passes, bound to ``context``; ``recompile=False`` leaves the recompile to the next stage."""
+    options = context.options
+    disabled = set(options.disabled_passes)
+    if not options.outlines():
+        disabled.add("outline")
     passes = [NamedPass(name, build(context)) for name, build in stage]
-    return run_passes(gm, passes, disabled=_switched_off(context.options), log_diff=context.options.log_pass_diffs,
-                      allow_unknown=True, recompile=recompile)
+    return run_passes(gm, passes, disabled=disabled, log_diff=options.log_pass_diffs, allow_unknown=True,
+                      recompile=recompile)
 
 
 def scheduler(options: BackendOptions) -> Callable[[fx.GraphModule, Choice], fx.GraphModule]:
-    """The scheduling stage under ``options`` for settings given later: what the cost model tries
-    (``autotune.choose``)."""
+    """The scheduling stage under ``options``, for settings the cost model tries."""
     return lambda gm, choice: run_stage(gm, SCHEDULING, Context(options, choice=choice))

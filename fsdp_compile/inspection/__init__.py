@@ -1,1 +1,1 @@
-"""How a schedule is shown, estimated and chosen: tables, traces, timelines, logs, the cost model, hardware presets, autotuning."""
+"""How a schedule is shown, estimated and chosen: listings, timelines, logs, the cost model, autotuning."""

@@ -1,9 +1,7 @@
-"""``"auto"`` settings: pick the prefetch depth and the reduce-scatter cap with the cost model.
+"""``"auto"`` settings: pick the prefetch depth, then the reduce-scatter cap, with the cost model.
 
-Given a graph already lowered and bucketed, each candidate is scheduled on a copy by the caller's
-``schedule`` (the backend's scheduling stage) and simulated (``timeline.simulate``); the winner is the *smallest* setting whose estimated
-time is within ``tolerance`` of the best, since a deeper prefetch or a larger cap holds more memory.
-Depth is chosen first (with the default cap), then the cap (with that depth).
+Each candidate is scheduled on a copy of the bucketed graph by the caller's ``schedule`` and simulated; the
+winner is the *smallest* setting within ``tolerance`` of the best time, as larger ones hold more memory.
 """
 
 from __future__ import annotations
@@ -52,8 +50,7 @@ def choose(
     schedule: Schedule,
     tolerance: float = 0.005,
 ) -> Choice:
-    """Resolve ``"auto"`` in ``prefetch`` and ``reduce_scatter_bytes`` for ``gm`` on ``hw``; ``schedule``
-    schedules a copy of ``gm`` under a candidate ``Choice``."""
+    """Resolve ``"auto"`` in ``prefetch`` and ``reduce_scatter_bytes`` for ``gm`` on ``hw``."""
     depth = prefetch
     if depth == "auto":
         times = [(d, _time(gm, hw, schedule, d, "auto")) for d in DEPTHS]

@@ -1,27 +1,10 @@
 """The cost of one node, one collective and one optimizer step on a ``Hardware`` model.
 
-::
-
-    hw = load_hardware("h200", "benchmarks/calibration/h200x2.json")
-    node_seconds(mm_node, hw)                              # max(FLOPs / rate(shape), bytes / bandwidth)
-    collective_seconds("all_gather", 64 << 20, 8, hw)      # latency + (w-1)/w * bytes / busbw (topology.py)
-    optimizer_seconds([(numel, 2)], hw, "adamw")           # the foreach kernels' passes over the state
-
-How the model reads a GPU, and what it leaves out:
-
-- Matmuls run at ``matmul_fraction`` of the dtype's peak, less for small dimensions (``Hardware``'s
-  ``matmul_half_mn`` / ``matmul_half_k``: fewer tiles, fewer waves).
-- Attention is costed as the fused kernel the GPU runs (flash / cuDNN): its FLOPs (the causal half when
-  causal) at ``attention_fraction`` (backward: ``attention_backward_fraction``) of peak, less for short
-  sequences. ``explain`` traces attention as that kernel (``fused_attention.py``); a graph that holds the
-  math path instead (scores materialised) is costed as the ops it holds.
-- Everything else is memory-bound. Alone (``node_seconds``) a node reads its inputs and writes its
-  output; in a graph, ``fusion.graph_seconds`` groups what Inductor fuses and counts each group's
-  traffic once.
+- Matmuls run at ``matmul_fraction`` of the dtype's peak, less for small dimensions.
+- Attention is costed as the fused kernel a GPU runs (``fused_attention.py``): its FLOPs (the causal half
+  when causal) at ``attention_fraction`` / ``attention_backward_fraction`` of peak, less for short sequences.
+- Everything else is memory-bound; ``fusion.graph_seconds`` counts a fused group's traffic once.
 - Each kernel costs at least ``kernel_latency``.
-
-The estimates rank schedules and show where communication is exposed (``fsdp_compile.inspection.timeline``);
-how close they come to real steps: docs/performance.md, ``benchmarks/calibration/check_explain.py``.
 """
 
 from __future__ import annotations
@@ -33,13 +16,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile.passes.predicates import (
-    collective_kind,
-    is_all_gather,
-    is_collective,
-    is_reduce_scatter,
-    is_wait,
-    op_name,
-    tensor_bytes,
+    collective_kind, is_all_gather, is_collective, is_reduce_scatter, is_wait, op_name, tensor_bytes,
 )
 
 from fsdp_compile._compat import resolve_group
@@ -47,40 +24,16 @@ from fsdp_compile.inspection.hardware import HARDWARE, Hardware, detect_hardware
 from fsdp_compile.inspection.topology import Topology, ring_seconds
 
 __all__ = [
-    "Hardware",
-    "HARDWARE",
-    "ZERO_COST_OPS",
-    "MATMUL_OPS",
-    "ATTENTION_OPS",
-    "OPTIMIZER_PASSES",
-    "load_hardware",
-    "write_calibration",
-    "detect_hardware",
-    "collective_seconds",
-    "launch_seconds",
-    "node_seconds",
-    "node_flops",
-    "node_bytes",
-    "read_bytes",
-    "matmul_efficiency",
-    "optimizer_seconds",
-    "collective_bytes",
-    "collective_world",
-    "graph_world",
-    "launch_ranks",
+    "Hardware", "HARDWARE", "ZERO_COST_OPS", "MATMUL_OPS", "ATTENTION_OPS", "OPTIMIZER_PASSES", "load_hardware",
+    "write_calibration", "detect_hardware", "collective_seconds", "launch_seconds", "node_seconds", "node_flops",
+    "node_bytes", "read_bytes", "matmul_efficiency", "optimizer_seconds", "collective_bytes", "collective_world",
+    "graph_world", "launch_ranks",
 ]
 
 
-# --- collectives --------------------------------------------------------------------------------
-
-
 def collective_seconds(kind: str, full_bytes: int, world: int, hw: Hardware, *, hosts: int | None = None) -> float:
-    """Seconds one collective over a ``full_bytes`` (unsharded) buffer among all ``world`` ranks takes
-    alone: the ring estimate of NOTE [collective time] (``topology.py``),
-    ``latency + (world-2) * hop_latency + (world-1)/world * full_bytes / busbw``, twice that for an
-    all-reduce. ``hosts``: the hosts the world spans (default ``Topology.of``'s: hosts of
-    ``hw.ranks_per_node`` GPUs); a group on more than one is bound by the inter-host links throughout.
-    """
+    """Seconds one collective over a ``full_bytes`` (unsharded) buffer among ``world`` ranks takes alone
+    (NOTE [collective time]); ``hosts``: the hosts the world spans (default: ``Topology.of``'s)."""
     spans = world > 1 and Topology.of(world, hw, hosts).hosts > 1
     return ring_seconds(kind, full_bytes, world, hw, spans_hosts=spans)
 
@@ -88,8 +41,7 @@ def collective_seconds(kind: str, full_bytes: int, world: int, hw: Hardware, *, 
 def collective_bytes(launch: fx.Node) -> int:
     """Bytes of the full buffer: an all-gather's output, a reduce-scatter's input, an all-reduce's."""
     inp = launch.args[0]
-    out = tensor_bytes(launch)
-    return max(tensor_bytes(inp) if isinstance(inp, fx.Node) else 0, out)
+    return max(tensor_bytes(inp) if isinstance(inp, fx.Node) else 0, tensor_bytes(launch))
 
 
 def collective_world(launch: fx.Node) -> int:
@@ -109,9 +61,8 @@ def _replicates(launch: fx.Node) -> bool:
 
 
 def launch_ranks(launch: fx.Node, world: int) -> range:
-    """The global ranks of a launch's group in a ``world`` laid out as a 2-D mesh (replicas x shards):
-    an HSDP all-reduce across replicas (stream ``replicate``) takes every ``world // n``-th rank, any
-    other collective the first ``n`` (FSDP's groups: the whole world, or one replica's shards)."""
+    """The global ranks of a launch's group in a (replicas x shards) mesh: an HSDP all-reduce takes every
+    ``world // n``-th rank, any other collective the first ``n``."""
     n = collective_world(launch)
     return range(0, world, max(world // n, 1)) if _replicates(launch) else range(min(n, world))
 
@@ -124,15 +75,12 @@ def graph_world(gm: fx.GraphModule) -> int:
 
 
 def launch_seconds(launch: fx.Node, topology: Topology) -> float:
-    """Seconds a launch takes alone on ``topology`` (NOTE [collective time]): its kind, bytes and
-    group read from the graph, its ranks by ``launch_ranks``."""
+    """Seconds a launch takes alone on ``topology`` (NOTE [collective time])."""
     ranks = launch_ranks(launch, topology.world)
     return topology.solo_seconds(collective_kind(launch), collective_bytes(launch), ranks)
 
 
-# --- compute ------------------------------------------------------------------------------------
-
-# Ops that relabel memory (views, aliases, indexing a tuple) or only allocate: no time.
+# Ops that relabel memory or only allocate: no time.
 ZERO_COST_OPS = frozenset({
     "view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "t", "transpose", "expand",
     "expand_as", "slice", "select", "narrow", "alias", "detach", "lift_fresh", "squeeze", "unsqueeze",
@@ -158,7 +106,7 @@ def _val(a: object) -> object:
 
 
 def _sig(v: object) -> object:
-    """A hashable stand-in for an argument: tensors by shape and dtype, sequences by their items."""
+    """A hashable stand-in for an argument: tensors by shape and dtype."""
     if isinstance(v, torch.Tensor):
         return ("T", tuple(v.shape), v.dtype)
     if isinstance(v, (list, tuple)):
@@ -183,17 +131,9 @@ def _argument(node: fx.Node, name: str, default: object = None) -> object:
     return default
 
 
-def _is_causal(node: fx.Node) -> bool:
-    if _argument(node, "is_causal") is True:
-        return True
-    return _argument(node, "custom_mask_type") == 1  # _efficient_attention_*: 1 = causal from the top left
-
-
 def node_flops(node: fx.Node) -> int:
-    """FLOPs of ``node`` from ``torch.utils.flop_counter``'s formulas (0 for ops it has none for).
-
-    Causal attention counts the half of the score matrix it computes (the formulas count all of it).
-    """
+    """FLOPs of ``node`` from ``torch.utils.flop_counter``'s formulas (0 for ops it has none for); causal
+    attention counts half."""
     packet = getattr(node.target, "overloadpacket", node.target)
     formula = flop_registry.get(packet)
     if formula is None:
@@ -207,7 +147,9 @@ def node_flops(node: fx.Node) -> int:
         except Exception:  # a formula that wants what a fake value lacks: count memory only
             _flops_cache[key] = 0
     flops = _flops_cache[key]
-    if op_name(node) in ATTENTION_OPS and _is_causal(node):
+    # (_efficient_attention_*: custom_mask_type 1 = causal from the top left)
+    if op_name(node) in ATTENTION_OPS and (_argument(node, "is_causal") is True
+                                           or _argument(node, "custom_mask_type") == 1):
         flops //= 2
     return flops
 
@@ -230,7 +172,7 @@ def _bytes(v: object) -> int:
     return total
 
 
-# Ops that read rows of their first input picked by an index: they read as many bytes as they write.
+# Ops that read the rows of their first input picked by an index: as many bytes as they write.
 _GATHERS = frozenset({"embedding", "index", "index_select", "gather", "_unsafe_index"})
 
 
@@ -245,14 +187,6 @@ def read_bytes(node: fx.Node, inp: fx.Node) -> int:
 def node_bytes(node: fx.Node) -> int:
     """Bytes a node moves alone: each distinct input read once, its output written once."""
     return _bytes(node.meta.get("val")) + sum(read_bytes(node, i) for i in node.all_input_nodes)
-
-
-def _dtype(node: fx.Node) -> torch.dtype | None:
-    return next((t.dtype for i in node.all_input_nodes for t in _tensors(i.meta.get("val"))), None)
-
-
-def _peak(node: fx.Node, hw: Hardware) -> float:
-    return hw.peak_flops_bf16 if _dtype(node) in _MATMUL_DTYPES_FAST else hw.peak_flops_fp32
 
 
 def _matmul_dims(node: fx.Node) -> tuple[int, int, int] | None:
@@ -286,13 +220,7 @@ def _attention_efficiency(node: fx.Node, hw: Hardware) -> float:
 
 def node_seconds(node: fx.Node, hw: Hardware) -> float:
     """Estimated seconds of a compute node alone on ``hw``: ``max(flops / rate, bytes / bandwidth)``,
-    at least ``kernel_latency``.
-
-    ``rate`` is the peak of the op's dtype (bf16/fp16, else fp32) times the op's efficiency (matmuls:
-    ``matmul_efficiency``; attention: its own fractions; other ops with FLOPs: ``matmul_fraction``);
-    ``bytes`` counts tensor inputs and outputs once. Ops in ``ZERO_COST_OPS`` and non-call nodes cost 0,
-    and so do collective launches and waits (the timeline charges them to their streams).
-    """
+    at least ``kernel_latency``; 0 for views, non-call nodes, collectives and waits."""
     if node.op != "call_function" or is_collective(node) or is_wait(node):
         return 0.0
     name = op_name(node)
@@ -307,26 +235,22 @@ def node_seconds(node: fx.Node, hw: Hardware) -> float:
             eff = _attention_efficiency(node, hw)
         else:
             eff = hw.fraction_of(name, hw.matmul_fraction)
-        seconds = max(seconds, flops / (_peak(node, hw) * eff))
+        dtype = next((t.dtype for i in node.all_input_nodes for t in _tensors(i.meta.get("val"))), None)
+        peak = hw.peak_flops_bf16 if dtype in _MATMUL_DTYPES_FAST else hw.peak_flops_fp32
+        seconds = max(seconds, flops / (peak * eff))
     return max(seconds, hw.kernel_latency)
 
 
-# --- the optimizer step ---------------------------------------------------------------------------
-
-# Passes over one element of parameter-sized state that torch.optim's foreach implementation makes per
-# step (reads + writes, counted in torch/optim/adam.py and torch/optim/sgd.py, default settings): AdamW multiplies
-# params by 1 - lr*wd (2), lerps exp_avg (3), scales and addcmuls exp_avg_sq (2 + 4), takes its sqrt,
-# divides, adds eps (2 + 2 + 2) and addcdivs the params (4). Adam has no decay pass. SGD with momentum:
-# buf = momentum * buf + grad (2 + 3), params -= lr * buf (3). AdamW(fused=True) is one multi-tensor kernel
-# that reads params, grads, exp_avg and exp_avg_sq once and writes params, exp_avg and exp_avg_sq once (7).
+# Reads + writes per element of parameter-sized state in one step of torch.optim's foreach kernels:
+# AdamW: decay (2), lerp exp_avg (3), exp_avg_sq (2 + 4), sqrt, div, add eps (2 + 2 + 2), addcdiv (4); Adam
+# without the decay; SGD with momentum (2 + 3 + 3). AdamW(fused=True): 4 reads and 3 writes.
 OPTIMIZER_PASSES: dict[str, int] = {"adamw": 21, "adam": 19, "sgd": 8, "adamw-fused": 7}
 
 
-def optimizer_seconds(shards: Iterable[torch.Tensor | tuple[int, int]], hw: Hardware, optimizer: str = "adamw") -> float:
-    """One optimizer step over this rank's ``shards`` (tensors, or ``(numel, element_size)`` pairs),
-    its state and gradients in the params' dtype: memory-bound, ``OPTIMIZER_PASSES`` passes at
-    ``foreach_fraction`` of the memory bandwidth (the fused kernel applies over tensor lists as the foreach
-    ones do)."""
+def optimizer_seconds(shards: Iterable[torch.Tensor | tuple[int, int]], hw: Hardware,
+                      optimizer: str = "adamw") -> float:
+    """Seconds of one optimizer step over this rank's ``shards`` (tensors, or ``(numel, element_size)``
+    pairs): ``OPTIMIZER_PASSES`` passes at ``foreach_fraction`` of the memory bandwidth."""
     if optimizer not in OPTIMIZER_PASSES:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZER_PASSES)} or None")
     total = 0

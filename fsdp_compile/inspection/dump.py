@@ -15,10 +15,6 @@ from fsdp_compile.inspection.timeline import Timeline, chrome_trace, simulate, t
 __all__ = ["report", "dump"]
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def report(gm: fx.GraphModule, hw: Hardware, timeline: Timeline | None = None) -> str:
     """The schedule table of one compiled graph with estimated times on ``hw``, and a summary."""
     timeline = timeline if timeline is not None else simulate(gm, hw)
@@ -36,7 +32,7 @@ def dump(gm: fx.GraphModule, directory: str | os.PathLike[str], name: str, hw: H
     ``.png`` (timeline, when matplotlib is installed); return the paths written."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{name}.rank{_rank()}"
+    stem = f"{name}.rank{dist.get_rank() if dist.is_initialized() else 0}"
     timeline = simulate(gm, hw)
     paths = [out / f"{stem}.txt", out / f"{stem}.json"]
     paths[0].write_text(report(gm, hw, timeline) + "\n")

@@ -1,14 +1,10 @@
 """Trace ``scaled_dot_product_attention`` as the fused kernel a GPU runs, for ``explain`` on meta tensors.
 
-On the meta device (and on a CPU) SDPA dispatches to its math path: the graph materialises the
-(seq x seq) scores, in fp32 for bf16 inputs, and the cost model would charge every one of those ops:
-at long sequences most of a step's estimated compute. On an H100/H200 the same call runs one fused
-kernel (flash or cuDNN) that never writes the scores. ``FusedAttention``, a ``TorchFunctionMode`` that
-Dynamo traces through, turns each SDPA call it can into ``aten._scaled_dot_product_flash_attention``,
-whose backward is ``_scaled_dot_product_flash_attention_backward``: the ops, FLOPs and bytes of the
-GPU's kernel (``cost.py`` costs them). Calls the flash kernel does not take (an explicit mask, fp32,
-a head dimension over 256) keep the math path; grouped-query attention (``enable_gqa``) is traced with
-its key and value heads repeated, as many FLOPs as the kernel does.
+On meta (and CPU) SDPA takes its math path, materialising the (seq x seq) scores that a GPU's flash kernel
+never writes. ``FusedAttention`` turns each SDPA call the flash kernel takes into
+``aten._scaled_dot_product_flash_attention`` (and its backward), so ``cost.py`` costs the GPU's kernel. Calls
+it does not take (a mask, fp32, head dimension over 256) keep the math path; grouped-query attention is
+traced with its key and value heads repeated.
 """
 
 from __future__ import annotations
@@ -44,8 +40,7 @@ def _flash_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ..
 
 
 class FusedAttention(TorchFunctionMode):
-    """While active, ``F.scaled_dot_product_attention`` calls the flash-attention op where it can
-    (module doc)."""
+    """While active, ``F.scaled_dot_product_attention`` calls the flash-attention op where it can."""
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:

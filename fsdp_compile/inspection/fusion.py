@@ -1,19 +1,10 @@
 """Per-node seconds for a whole graph, with the memory-bound ops grouped as Inductor fuses them.
 
-Costed one by one, a chain like RMSNorm (``pow mean add rsqrt mul mul``) writes and rereads every
-intermediate; Inductor emits it as one kernel that reads its inputs and writes its outputs once. So
-``graph_seconds`` groups the nodes that are neither matmuls, attention, collectives nor waits:
-
-    fused node   joins the group of every fused input (and of views of them);
-    view         belongs to the group of its input, or to none (a view of a placeholder or a matmul);
-    group cost   (bytes read from outside + bytes of members used outside) / achievable bandwidth
-                 + kernel_latency per member used outside (each materialised output, a kernel)
-
-Matmuls and attention keep their own cost (``cost.node_seconds``). A group's seconds are spread over
-its members in proportion to what each would move alone, so the timeline places them where they run.
-Simplification: two fused ops joined by an edge are one group even when a matmul between them in the
-schedule forces Inductor to write the tensor between them out (a residual stream across a layer):
-that tensor's traffic, a few percent of such a group, is not counted.
+A fused op joins the group of each fused input (and of views of them); a view joins its input's group.
+A group costs (bytes read from outside + bytes of members used outside) / achievable bandwidth, plus
+``kernel_latency`` per member used outside; its seconds are spread over its members in proportion to
+what each moves alone. Matmuls, attention and the bucket copies keep ``cost.node_seconds``. Not counted:
+a tensor Inductor must write out between two fused ops because a matmul runs between them.
 """
 
 from __future__ import annotations
@@ -22,7 +13,9 @@ from torch import fx
 
 from fsdp_compile.passes.predicates import is_collective, is_wait, op_name, tensor_bytes
 
-from fsdp_compile.inspection.cost import ATTENTION_OPS, MATMUL_OPS, ZERO_COST_OPS, node_bytes, node_flops, node_seconds, read_bytes
+from fsdp_compile.inspection.cost import (
+    ATTENTION_OPS, MATMUL_OPS, ZERO_COST_OPS, node_bytes, node_flops, node_seconds, read_bytes,
+)
 from fsdp_compile.inspection.hardware import Hardware
 
 __all__ = ["graph_seconds", "fusion_groups"]
@@ -37,9 +30,8 @@ def _kind(node: fx.Node) -> str:
         return "view"
     if name in MATMUL_OPS or name in ATTENTION_OPS or not hasattr(node.target, "overloadpacket"):
         return "extern"
-    if getattr(node.target, "namespace", None) == "fsdp":  # a bucket's copies: one kernel, opaque to Inductor
-        return "extern"
-    return "extern" if node_flops(node) else "fused"
+    # fsdp ops (a bucket's copies) are one kernel each, opaque to Inductor
+    return "extern" if getattr(node.target, "namespace", None) == "fsdp" or node_flops(node) else "fused"
 
 
 def fusion_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
@@ -55,9 +47,8 @@ def fusion_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
     for node in gm.graph.nodes:
         kind = _kind(node)
         if kind == "view":
-            src = node.all_input_nodes[0] if node.all_input_nodes else None
-            if src is not None and src in parent:
-                parent[node] = find(src)
+            if node.all_input_nodes and node.all_input_nodes[0] in parent:
+                parent[node] = find(node.all_input_nodes[0])
         elif kind == "fused":
             parent[node] = node
             for inp in node.all_input_nodes:
@@ -80,8 +71,7 @@ def _group_seconds(members: list[fx.Node], hw: Hardware) -> tuple[float, list[fx
         return not n.users or any(u not in inside or (u in views and escapes(u)) for u in n.users)
 
     reads: dict[fx.Node, int] = {}
-    written = 0
-    kernels = 0
+    written = kernels = 0
     for n in members:
         if n in views:
             continue
@@ -99,7 +89,7 @@ def _group_seconds(members: list[fx.Node], hw: Hardware) -> tuple[float, list[fx
 
 
 def graph_seconds(gm: fx.GraphModule, hw: Hardware) -> dict[fx.Node, float]:
-    """Estimated seconds of every call node of ``gm`` on ``hw``, memory-bound ops fused (module doc)."""
+    """Estimated seconds of every call node of ``gm`` on ``hw``, memory-bound ops fused."""
     seconds: dict[fx.Node, float] = {}
     for node in gm.graph.nodes:
         if _kind(node) == "extern":

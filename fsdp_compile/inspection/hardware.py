@@ -1,12 +1,8 @@
-"""What one rank's hardware can do: the numbers behind the cost model, presets, calibration files.
-
-``Hardware`` holds the handful of numbers the model needs; ``HARDWARE`` has presets (H100, H200, a
-2-core CPU running gloo), and ``load_hardware`` overlays a calibration file of measured numbers::
+"""What one rank's hardware can do: the numbers behind the cost model, presets, calibration files::
 
     hw = load_hardware("h200", "benchmarks/calibration/h200x2.json")
 
-How the numbers are used is in ``fsdp_compile.inspection.cost``; where the H200's come from is
-``benchmarks/calibration/h200_kernels.json`` (``benchmarks/calibration/measure_kernels.py`` on one H200).
+The H200's numbers come from ``benchmarks/calibration/measure_kernels.py`` (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -38,73 +34,41 @@ class Hardware:
     ranks_per_node: int
     collective_latency: float  # s, fixed cost of one collective (launch + first step)
     hop_latency: float = 0.0  # s, each further ring step (world - 2 of them)
-    # op name -> fraction of peak FLOP/s and of memory bandwidth for that op, e.g. (("mm", 0.6),)
-    op_fraction: tuple[tuple[str, float], ...] = ()
-    # A matmul (m x k) @ (k x n) runs at matmul_fraction * m/(m+h) * n/(n+h) * k/(k+hk) of peak, with
-    # h = matmul_half_mn and hk = matmul_half_k: small dimensions fill fewer tiles and waves.
-    matmul_half_mn: float = 0.0
-    matmul_half_k: float = 0.0
-    # Fused attention (flash / cuDNN): forward and backward at these fractions of peak times
-    # s/(s + attention_half_seq) for sequence length s, on the FLOPs of the causal half when causal.
+    op_fraction: tuple[tuple[str, float], ...] = ()  # per op, its share of peak FLOP/s and bandwidth: (("mm", 0.6),)
+    # A (m x k) @ (k x n) matmul runs at matmul_fraction * m/(m+h) * n/(n+h) * k/(k+hk) of peak
+    matmul_half_mn: float = 0.0  # h
+    matmul_half_k: float = 0.0  # hk
+    # Fused attention runs at these fractions of peak, times s/(s + attention_half_seq) for sequence length s
     attention_fraction: float = 0.5
     attention_backward_fraction: float = 0.4
     attention_half_seq: float = 0.0
     kernel_latency: float = 0.0  # s, the least time one kernel takes (launch, ramp-up, tail)
     foreach_fraction: float = 0.6  # share of memory bandwidth the optimizers' multi-tensor kernels reach
-    # Compute running beside a collective takes 1 + overlap_slowdown times as long: the collective's
-    # kernels hold SMs and memory bandwidth (NCCL: one block per channel).
+    # Compute beside a collective takes 1 + overlap_slowdown times as long (NCCL's kernels hold SMs)
     overlap_slowdown: float = 0.0
 
     def fraction_of(self, op: str, default: float) -> float:
         """The achievable fraction for ``op`` (an overload packet name), or ``default``."""
-        for name, frac in self.op_fraction:
-            if name == op:
-                return frac
-        return default
+        return next((frac for name, frac in self.op_fraction if name == op), default)
 
 
-# H100 SXM5: datasheet numbers and NCCL's; where each comes from: docs/performance.md, "The presets".
+# H100 SXM5: datasheet and NCCL numbers (docs/performance.md, "The presets").
 _H100 = Hardware(
-    name="h100",
-    peak_flops_bf16=989e12,
-    peak_flops_fp32=67e12,
-    matmul_fraction=0.8,
-    memory_bandwidth=3.35e12,
-    memory_fraction=0.88,
-    intra_node_busbw=360e9,
-    inter_node_busbw=40e9,
-    ranks_per_node=8,
-    collective_latency=15e-6,
-    hop_latency=1e-6,
-    matmul_half_mn=128,
-    matmul_half_k=256,
-    attention_fraction=0.87,
-    attention_backward_fraction=0.79,
-    attention_half_seq=3584,
-    kernel_latency=3e-6,
-    foreach_fraction=0.62,
-    overlap_slowdown=0.2,
+    name="h100", peak_flops_bf16=989e12, peak_flops_fp32=67e12, matmul_fraction=0.8,
+    memory_bandwidth=3.35e12, memory_fraction=0.88, intra_node_busbw=360e9, inter_node_busbw=40e9,
+    ranks_per_node=8, collective_latency=15e-6, hop_latency=1e-6, matmul_half_mn=128, matmul_half_k=256,
+    attention_fraction=0.87, attention_backward_fraction=0.79, attention_half_seq=3584, kernel_latency=3e-6,
+    foreach_fraction=0.62, overlap_slowdown=0.2,
 )
 
-# H200 SXM: the H100's compute with faster memory; the fractions fitted on one H200 (docs/performance.md).
+# H200 SXM: the H100's compute with faster memory.
 _H200 = dataclasses.replace(_H100, name="h200", memory_bandwidth=4.8e12)
 
-# A 2-core x86 CPU running gloo over loopback (rough, for the CI machine; docs/performance.md).
-# All ranks share one host: ranks_per_node is large and both bandwidths are the loopback one.
+# A 2-core x86 CPU running gloo over loopback (rough): all ranks on one host.
 _CPU = Hardware(
-    name="cpu",
-    peak_flops_bf16=50e9,
-    peak_flops_fp32=100e9,
-    matmul_fraction=0.3,
-    memory_bandwidth=20e9,
-    memory_fraction=0.5,
-    intra_node_busbw=1.5e9,
-    inter_node_busbw=1.5e9,
-    ranks_per_node=64,
-    collective_latency=50e-6,
-    hop_latency=10e-6,
-    attention_fraction=0.3,
-    attention_backward_fraction=0.3,
+    name="cpu", peak_flops_bf16=50e9, peak_flops_fp32=100e9, matmul_fraction=0.3, memory_bandwidth=20e9,
+    memory_fraction=0.5, intra_node_busbw=1.5e9, inter_node_busbw=1.5e9, ranks_per_node=64,
+    collective_latency=50e-6, hop_latency=10e-6, attention_fraction=0.3, attention_backward_fraction=0.3,
     foreach_fraction=0.5,
 )
 
@@ -118,12 +82,8 @@ _FRACTIONS = ("matmul_fraction", "memory_fraction", "attention_fraction", "atten
 
 
 def load_hardware(name: str | Hardware = "h200", calibration: str | Path | Mapping[str, Any] | None = None) -> Hardware:
-    """A preset (or ``name`` itself, if a ``Hardware``) with measured numbers from ``calibration``.
-
-    ``calibration`` is a JSON file or a dict holding any subset of ``Hardware``'s fields;
-    ``op_fraction`` may be a dict ``{"mm": 0.6}``. Keys starting with ``_`` are notes and are ignored.
-    Unknown fields raise ``ValueError``.
-    """
+    """A preset (or ``name`` itself, if a ``Hardware``) overlaid with ``calibration``: a JSON file or dict of
+    any of ``Hardware``'s fields (``op_fraction`` may be a dict; keys starting with ``_`` are ignored)."""
     if isinstance(name, Hardware):
         base = name
     elif name in HARDWARE:
@@ -137,10 +97,11 @@ def load_hardware(name: str | Hardware = "h200", calibration: str | Path | Mappi
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ValueError(f"unknown calibration field(s) {unknown}; valid fields: {', '.join(_FIELDS)}")
-    kw = dict(values)
-    if "op_fraction" in kw:
-        kw["op_fraction"] = _op_fraction(kw["op_fraction"])
-    hw = dataclasses.replace(base, **kw)
+    if "op_fraction" in values:
+        fractions = values["op_fraction"]
+        items = fractions.items() if isinstance(fractions, Mapping) else fractions
+        values["op_fraction"] = tuple(sorted((str(k), float(v)) for k, v in items))
+    hw = dataclasses.replace(base, **values)
     _validate(hw)
     return hw
 
@@ -152,16 +113,11 @@ def write_calibration(hw: Hardware, path: str | Path) -> None:
     Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _op_fraction(value: object) -> tuple[tuple[str, float], ...]:
-    items = value.items() if isinstance(value, Mapping) else value
-    return tuple(sorted((str(k), float(v)) for k, v in items))  # type: ignore[union-attr]
-
-
 def _validate(hw: Hardware) -> None:
     for f in _FIELDS:
-        v = getattr(hw, f)
         if f in ("name", "op_fraction"):
             continue
+        v = getattr(hw, f)
         if not isinstance(v, (int, float)) or v < 0 or (v == 0 and f not in _MAY_BE_ZERO):
             raise ValueError(f"hardware field {f} must be a positive number, got {v!r}")
     for op, frac in [*((f, getattr(hw, f)) for f in _FRACTIONS), *hw.op_fraction]:
@@ -170,11 +126,7 @@ def _validate(hw: Hardware) -> None:
 
 
 def detect_hardware() -> Hardware:
-    """The preset for this process's device: an H100/H200 by CUDA device name, else the CPU preset."""
+    """The preset for this process's device: ``h200`` or ``h100`` by CUDA device name, else ``cpu``."""
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().lower()
-        for key in ("h200", "h100"):
-            if key in name:
-                return HARDWARE[key]
-        return HARDWARE["h100"]
+        return HARDWARE["h200" if "h200" in torch.cuda.get_device_name().lower() else "h100"]
     return HARDWARE["cpu"]

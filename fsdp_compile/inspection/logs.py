@@ -1,16 +1,12 @@
 """Schedules in logs: ``TORCH_LOGS=fsdp_compile`` and tlparse (structured trace) entries.
 
-NOTE [schedules in TORCH_LOGS]: the schedule table goes to this module's Python logger at INFO, so
-``TORCH_LOGS=fsdp_compile`` (torch's setting for the logs of any module it can find: the package and
-every module in it) prints it, with fsdp-compile's other INFO lines; ``TORCH_LOGS=fsdp_compile.inspection.logs``
-prints the tables alone, and in code the standard ``logging`` module does the same
-(``logging.basicConfig()`` and ``logging.getLogger("fsdp_compile").setLevel(logging.INFO)``). To find the
-modules, torch imports ``fsdp_compile`` at ``import torch`` when the setting names it. A level set on these loggers turns the tables on, not one inherited from the root logger: an
-application's ``logging.basicConfig(level=logging.INFO)`` does not (the tables cost a compile from the cache).
-
-The text log comes from rank 0 alone by default (every rank compiles the same schedule: the agreement
-check makes sure of it); ``FSDP_COMPILE_LOG_RANKS=all`` (or a list, ``0,3``) logs from other ranks
-too. The structured trace is written on every rank, as tlparse reads one file per rank.
+NOTE [schedules in TORCH_LOGS]: the schedule table goes to this module's logger at INFO, so
+``TORCH_LOGS=fsdp_compile`` prints it with the package's other INFO lines and
+``TORCH_LOGS=fsdp_compile.inspection.logs`` prints the tables alone (or, in code,
+``logging.getLogger("fsdp_compile").setLevel(logging.INFO)``). Only a level set on these loggers turns the
+tables on, not one inherited from the root logger, since a table costs a compile from the cache.
+Text logs come from rank 0 unless ``FSDP_COMPILE_LOG_RANKS`` says ``all`` or lists ranks (``0,3``); the
+structured trace is written on every rank, as tlparse reads one file per rank.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ _log = logging.getLogger(__name__)
 
 
 def logs_on_rank(rank: int, setting: str | None) -> bool:
-    """Whether ``rank`` logs schedules under ``setting`` (the value of ``FSDP_COMPILE_LOG_RANKS``):
-    ``None`` or empty: rank 0; ``all``: every rank; else a comma-separated list of ranks."""
+    """Whether ``rank`` logs schedules under ``setting`` (``FSDP_COMPILE_LOG_RANKS``: empty, ``all`` or ranks)."""
     if not setting:
         return rank == 0
     if setting.strip().lower() == "all":
@@ -55,11 +50,8 @@ def schedule_logged() -> bool:
 
 
 def log_schedule(kind: str, text_fn: Callable[[], str]) -> None:
-    """Log a compiled graph's schedule table to this module's logger (on the ranks of ``logs_on_rank``)
-    and to the structured trace (every rank).
-
-    ``text_fn`` is called only when one of them is enabled.
-    """
+    """Log a schedule table to this module's logger and to the structured trace; ``text_fn`` is called
+    only when one of them is enabled."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if schedule_logged() and logs_on_rank(rank, os.environ.get(LOG_RANKS_ENV)):
         _log.info("fsdp-compile %s schedule (rank %d):\n%s", kind, rank, text_fn())

@@ -1,14 +1,11 @@
 """Read a scheduled graph: a compact listing of its collectives, waits and compute, in order.
 
-``listing(gm, groups={"0": "ag", "1": "rs"})`` gives one line per collective launch and wait, and one
-line per run of compute between them (the main ops named, views and copies counted), e.g.::
+``listing(gm, groups={"0": "ag", "1": "rs"})``: one line per launch and wait, and per run of compute::
 
     0  all_gather      unit 0  ag  all_gather       288 B
     1  all_gather      unit 1  ag  all_gather       288 B
     2  wait            unit 0  ag  all_gather
     3  compute         addmm relu  (9 nodes)
-
-The tests snapshot it; ``explain`` adds estimated times to the same rows.
 """
 
 from __future__ import annotations
@@ -20,7 +17,9 @@ import torch
 from torch import fx
 
 from fsdp_compile.passes.collective_regions import Region, regions
-from fsdp_compile.passes.predicates import collective_kind, fsdp_meta, is_collective, is_wait, op_name, tensor_bytes, waited_collective
+from fsdp_compile.passes.predicates import (
+    collective_kind, fsdp_meta, is_collective, is_wait, op_name, tensor_bytes, waited_collective,
+)
 
 __all__ = ["Row", "rows", "listing", "in_flight_peaks", "group_labels", "graph_group_labels"]
 
@@ -53,8 +52,7 @@ class Row:
 
 
 def _label(node: fx.Node) -> str:
-    """A node's name in a compute run: its op, or ``call <body>`` for an outlined unit's body
-    (``call fw_subgraph_0_0``: the forward of Dynamo's first body; its backward is ``bw_...``)."""
+    """A node's name in a compute run: its op, or ``call <body>`` for an outlined unit's body."""
     if node.target is torch.ops.higher_order.invoke_subgraph and isinstance(node.args[0], fx.Node):
         return "call " + str(node.args[0].target).removeprefix("partitioned_")
     return op_name(node)
@@ -69,12 +67,8 @@ def _full_bytes(launch: fx.Node) -> int:
 
 
 def rows(gm: fx.GraphModule) -> list[Row]:
-    """The schedule of ``gm`` as rows, in graph order.
-
-    Consecutive nodes of one kind merge into one row: ``compute`` (untagged nodes), ``pack`` (a
-    region's prologue: casts, flattening, padding, concatenation) and ``unpack`` (its epilogue:
-    split, copy-out, narrowing, averaging).
-    """
+    """The schedule of ``gm`` as rows, in graph order; consecutive nodes of one kind merge into one row:
+    ``compute``, ``pack`` (a region's prologue) or ``unpack`` (its epilogue)."""
     role: dict[fx.Node, tuple[str, Region]] = {}
     for r in regions(gm):
         role.update({n: ("pack", r) for n in r.prologue})
@@ -87,10 +81,8 @@ def rows(gm: fx.GraphModule) -> list[Row]:
         nonlocal run_key
         if run:
             op, region = run_key  # type: ignore[misc]
-            if region is None:
-                out.append(Row(op, tuple(run), stream="compute"))
-            else:
-                out.append(Row(op, tuple(run), region.unit, region.group, "compute"))
+            unit, group = (None, "") if region is None else (region.unit, region.group)
+            out.append(Row(op, tuple(run), unit, group, "compute"))
             run.clear()
         run_key = None
 
@@ -109,10 +101,7 @@ def rows(gm: fx.GraphModule) -> list[Row]:
                                str(meta.get("waits_on", ""))))
             continue
         op, region = role.get(n, ("compute", None))
-        key = (op, id(region))
-        if run_key is not None and run_key[1] is not None and (run_key[0], id(run_key[1])) != key:
-            flush()
-        elif run_key is not None and run_key[1] is None and region is not None:
+        if run_key is not None and (run_key[0] != op or run_key[1] is not region):
             flush()
         run_key = (op, region)
         run.append(n)
@@ -121,10 +110,7 @@ def rows(gm: fx.GraphModule) -> list[Row]:
 
 
 def listing(gm: fx.GraphModule, groups: Mapping[str, str] | None = None) -> str:
-    """A compact, stable text listing of ``gm``'s schedule (see module doc).
-
-    ``groups`` maps process-group names to labels (group names differ between runs; labels don't).
-    """
+    """A compact, stable text listing of ``gm``'s schedule; ``groups`` maps process-group names to labels."""
     labels = dict(groups or {})
     lines = []
     for i, r in enumerate(rows(gm)):
@@ -140,11 +126,8 @@ def listing(gm: fx.GraphModule, groups: Mapping[str, str] | None = None) -> str:
 
 
 def in_flight_peaks(gm: fx.GraphModule) -> dict[str, int]:
-    """Peak bytes in flight along ``gm``'s order, as the byte caps count them.
-
-    ``all_gather``: outputs of all-gathers launched whose gathered params are not used yet.
-    ``reduce_scatter``: inputs of reduce-scatters launched and not waited yet.
-    """
+    """Peak bytes in flight along ``gm``'s order, as the byte caps count them: all-gather outputs launched
+    and not used yet, reduce-scatter inputs launched and not waited yet."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     events: dict[str, list[tuple[int, int]]] = {"all_gather": [], "reduce_scatter": []}
     for r in regions(gm):
@@ -158,7 +141,7 @@ def in_flight_peaks(gm: fx.GraphModule) -> dict[str, int]:
     peaks = {}
     for kind, evs in events.items():
         live = peak = 0
-        for _, delta in sorted(evs, key=lambda e: (e[0], e[1])):  # a release before a launch at one index
+        for _, delta in sorted(evs):  # a release before a launch at one index
             live += delta
             peak = max(peak, live)
         peaks[kind] = peak
@@ -166,8 +149,8 @@ def in_flight_peaks(gm: fx.GraphModule) -> dict[str, int]:
 
 
 def group_labels(groups: object) -> dict[str, str]:
-    """Labels for an ``FsdpGroups``: ``ag`` and ``rs``, or ``ag+rs`` when they share a communicator
-    (and ``rep`` for HSDP's replicate group). ``graph_group_labels`` reads the same from a graph."""
+    """Labels for an ``FsdpGroups``: ``ag`` and ``rs``, or ``ag+rs`` when they share a communicator, and
+    ``rep`` for HSDP's replicate group."""
     ag = groups.all_gather.group_name  # type: ignore[attr-defined]
     rs = groups.reduce_scatter.group_name  # type: ignore[attr-defined]
     labels = {ag: "ag", rs: "rs"} if ag != rs else {ag: "ag+rs"}
@@ -177,17 +160,13 @@ def group_labels(groups: object) -> dict[str, str]:
     return labels
 
 
-
 def graph_group_labels(gm: fx.GraphModule) -> dict[str, str]:
-    """The labels of ``group_labels`` for the groups ``gm``'s collectives run on, read from the group
-    names their markers recorded (``meta["fsdp"]``: ``ag_group``, ``rs_group``, ``replicate_group``), so
-    that logs, dumps, ``explain`` and traces name groups alike without the ``FsdpGroups`` object."""
+    """The labels of ``group_labels``, read from the group names ``gm``'s collectives recorded."""
     labels: dict[str, str] = {}
     for n in gm.graph.nodes:
         if not is_collective(n):
             continue
         meta = fsdp_meta(n)
-        # (a 1-D mesh has no replicate group: its name is "", which compute rows' group is too)
         ag, rs, rep = meta.get("ag_group"), meta.get("rs_group"), meta.get("replicate_group")
         if ag:
             labels[str(ag)] = "ag+rs" if ag == rs else "ag"

@@ -1,14 +1,11 @@
 """Simulate a scheduled graph on a ``Hardware`` model: when each node runs, on which stream.
 
-The model follows NOTE [streams] (``passes/schedule/streams.py``): one compute stream runs compute nodes,
-pack/unpack copies and waits in graph order; each collective launch is issued when the compute stream
-reaches it and runs on its annotated stream, a serial queue (``comm`` is one communicator shared by
-all-gathers and reduce-scatters, so they serialise there); collectives running at the same time on
-different streams share the rank's links (NOTE [collective time] in ``topology.py``); a wait blocks the
-compute stream until its collective ends. Node costs come from ``fsdp_compile.inspection.cost``::
+Following NOTE [streams], one compute stream runs compute, copies and waits in graph order; each launch
+is issued when the compute stream reaches it and runs on its stream, a serial queue; collectives on
+different streams share the links (NOTE [collective time]); a wait blocks the compute stream until its
+collective ends::
 
     tl = simulate(graphs["backward"], load_hardware("h200"))
-    tl.summary()                    # step time, exposed communication %, peak bytes in flight
     print(table(gm, tl, labels))    # the schedule listing with estimated start/end times
     json.dump(chrome_trace({"backward": tl}), f)    # open in Perfetto / chrome://tracing
 """
@@ -50,11 +47,9 @@ class Span:
 
     @property
     def kind(self) -> str:
-        """What the span is, for colours: a collective kind, ``wait``, ``copy`` (pack/unpack) or ``compute``."""
-        if self.stream != "compute":
+        """A collective kind, ``wait``, ``copy`` (pack/unpack) or ``compute``."""
+        if self.stream != "compute" or self.op == "wait":
             return self.op
-        if self.op == "wait":
-            return "wait"
         return "copy" if self.unit is not None else "compute"
 
 
@@ -72,14 +67,9 @@ class Timeline:
     def summary(self) -> dict[str, object]:
         """Estimated step time, exposed communication (seconds and % of step), peak bytes in flight."""
         pct = 100.0 * self.exposed_comm_seconds / self.step_seconds if self.step_seconds else 0.0
-        return {
-            "step_seconds": self.step_seconds,
-            "compute_seconds": self.compute_seconds,
-            "exposed_comm_seconds": self.exposed_comm_seconds,
-            "exposed_comm_pct": pct,
-            "comm_seconds": dict(self.comm_seconds),
-            "peak_bytes_in_flight": dict(self.in_flight),
-        }
+        return {"step_seconds": self.step_seconds, "compute_seconds": self.compute_seconds,
+                "exposed_comm_seconds": self.exposed_comm_seconds, "exposed_comm_pct": pct,
+                "comm_seconds": dict(self.comm_seconds), "peak_bytes_in_flight": dict(self.in_flight)}
 
     def streams(self) -> list[str]:
         """Streams with work, compute first, then in NOTE [streams] order."""
@@ -92,8 +82,8 @@ def _fsdp(node: fx.Node) -> Mapping[str, object]:
 
 
 def _beside_collectives(now: float, work: float, in_flight: list[tuple[float, float]], slowdown: float) -> float:
-    """How long ``work`` seconds of compute from ``now`` take when it runs ``1 + slowdown`` times slower
-    while any collective of ``in_flight`` runs (NCCL's kernels hold SMs and memory bandwidth)."""
+    """How long ``work`` seconds of compute from ``now`` take, ``1 + slowdown`` times slower while any
+    collective of ``in_flight`` runs."""
     if not slowdown or not work or not in_flight:
         return work
     t, left = now, work
@@ -114,14 +104,9 @@ def _beside_collectives(now: float, work: float, in_flight: list[tuple[float, fl
 
 
 def simulate(gm: fx.GraphModule, hw: Hardware | Topology, groups: Mapping[str, str] | None = None) -> Timeline:
-    """Walk ``gm`` in graph order and time every call node on ``hw`` (see module doc).
-
-    ``hw``: a ``Topology`` (the world's hosts, and the links' ``shared`` capacity), or a ``Hardware``,
-    taken as ``Topology.of`` the ranks the graph's collectives span (hosts of ``ranks_per_node`` GPUs).
-    Collectives on different streams (communicators) share the links (NOTE [collective time]).
-    Spans name their process group by label (``ag``, ``rs``, ``ag+rs``, ``rep``: ``groups``, by default
-    ``schedule.graph_group_labels(gm)``), as the tables do.
-    """
+    """Time every call node of ``gm`` in graph order on ``hw``: a ``Topology``, or a ``Hardware`` taken as
+    ``Topology.of`` the ranks the graph's collectives span. ``groups``: labels of process groups (default:
+    ``graph_group_labels(gm)``)."""
     topology = hw if isinstance(hw, Topology) else Topology.of(graph_world(gm), hw)
     hw = topology.hardware
     labels = graph_group_labels(gm) if groups is None else dict(groups)
@@ -134,7 +119,6 @@ def simulate(gm: fx.GraphModule, hw: Hardware | Topology, groups: Mapping[str, s
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        meta = _fsdp(n)
         if is_collective(n):
             links.issue(n, _stream(n), launch_seconds(n, topology), now)
             spans.append(n)
@@ -148,7 +132,7 @@ def simulate(gm: fx.GraphModule, hw: Hardware | Topology, groups: Mapping[str, s
                               start, now))
         else:  # compute: no launch comes before it ends, so the links' plan holds throughout
             dur = _beside_collectives(now, costs.get(n, 0.0), list(links.pending().values()), hw.overlap_slowdown)
-            spans.append(Span(n.name, op_name(n), "compute", meta.get("unit"), "", 0, now, now + dur))
+            spans.append(Span(n.name, op_name(n), "compute", _fsdp(n).get("unit"), "", 0, now, now + dur))
             now += dur
             compute += dur
     timed = [s if isinstance(s, Span) else _launch_span(s, links.interval(s), labels) for s in spans]
@@ -156,18 +140,12 @@ def simulate(gm: fx.GraphModule, hw: Hardware | Topology, groups: Mapping[str, s
     for s in timed:
         if s.stream != "compute":
             busy[s.stream] = busy.get(s.stream, 0.0) + s.end - s.start
-    return Timeline(
-        spans=tuple(timed),
-        step_seconds=max([now, *(s.end for s in timed)]),
-        compute_seconds=compute,
-        exposed_comm_seconds=exposed,
-        comm_seconds=busy,
-        in_flight=in_flight_peaks(gm),
-    )
+    return Timeline(spans=tuple(timed), step_seconds=max([now, *(s.end for s in timed)]), compute_seconds=compute,
+                    exposed_comm_seconds=exposed, comm_seconds=busy, in_flight=in_flight_peaks(gm))
 
 
 def _stream(launch: fx.Node) -> str:
-    """The stream (communicator) a launch runs on: its annotation, else its kind's own (NOTE [streams])."""
+    """The stream a launch runs on: its annotation, else its kind's own (NOTE [streams])."""
     return str(_fsdp(launch).get("stream") or _DEFAULT_STREAM[collective_kind(launch)])
 
 
@@ -176,8 +154,6 @@ def _launch_span(n: fx.Node, interval: tuple[float, float], labels: Mapping[str,
     return Span(n.name, collective_kind(n), _stream(n), _fsdp(n).get("unit"), labels.get(group, group),
                 collective_bytes(n), *interval)
 
-
-# --- outputs ------------------------------------------------------------------------------------
 
 _HEADER = ("order", "node", "unit", "collective", "group", "stream", "bytes", "est. start (us)", "est. end (us)")
 _RIGHT = {0, 6, 7, 8}  # right-aligned columns
@@ -204,9 +180,8 @@ def _units(units: list[object]) -> str:
 
 
 def _runs(all_rows: list[Row], min_run: int = 3) -> list[list[Row]]:
-    """Rows in order, where ``min_run`` or more consecutive ``pack`` (or ``unpack``) rows of one
-    collective kind and different units come as one run (the copies out of several units' buffers that
-    the partitioner leaves at the end of a backward); every other row alone."""
+    """Rows in order, ``min_run`` or more consecutive ``pack`` (or ``unpack``) rows of one collective kind
+    as one run; every other row alone."""
     out: list[list[Row]] = []
     for r in all_rows:
         prev = out[-1] if out else None
@@ -219,13 +194,8 @@ def _runs(all_rows: list[Row], min_run: int = 3) -> list[list[Row]]:
 
 
 def table(gm: fx.GraphModule, timeline: Timeline, groups: Mapping[str, str] | None = None) -> str:
-    """The schedule of ``gm`` (one line per launch, wait, and run of compute or copies, as in
-    ``fsdp_compile.inspection.schedule.rows``) with estimated start and end times in microseconds.
-
-    ``groups`` maps process-group names to labels (default: ``schedule.graph_group_labels(gm)``:
-    ``ag``, ``rs``, ``ag+rs``, ``rep``). Three or more consecutive pack (or unpack) rows of different
-    units are one line, e.g. ``unpack x36 (36 nodes)`` for units ``0-3``.
-    """
+    """The schedule of ``gm`` (``schedule.rows``) with estimated start and end times in microseconds;
+    ``groups`` maps process-group names to labels (default: ``graph_group_labels(gm)``)."""
     labels = graph_group_labels(gm) if groups is None else dict(groups)
     by_name = {s.name: s for s in timeline.spans}
     lines = [_HEADER]
@@ -261,9 +231,8 @@ def table(gm: fx.GraphModule, timeline: Timeline, groups: Mapping[str, str] | No
 
 
 def chrome_trace(timelines: Mapping[str, Timeline]) -> dict[str, object]:
-    """Chrome / Perfetto trace-event JSON: a process per graph (``forward``, ``backward``...), a thread
-    per stream, a complete (``"X"``) event per span with a duration, in microseconds from the graph's
-    start. Zero-time spans (views) are left out."""
+    """Chrome / Perfetto trace-event JSON: a process per graph, a thread per stream, an ``"X"`` event per
+    span that takes time, in microseconds."""
     events: list[dict[str, object]] = []
     for pid, (graph, tl) in enumerate(timelines.items(), start=1):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": graph}})
@@ -288,14 +257,12 @@ def chrome_trace(timelines: Mapping[str, Timeline]) -> dict[str, object]:
     return {"traceEvents": events, "displayTimeUnit": "ns"}
 
 
-_COLORS = {
-    "compute": "#4C72B0", "copy": "#8C8C8C", "wait": "#C44E52",
-    "all_gather": "#55A868", "reduce_scatter": "#DD8452", "all_reduce": "#8172B3",
-}
+_COLORS = {"compute": "#4C72B0", "copy": "#8C8C8C", "wait": "#C44E52", "all_gather": "#55A868",
+           "reduce_scatter": "#DD8452", "all_reduce": "#8172B3"}
 
 
 def _bars(spans: list[Span]) -> list[tuple[str, float, float]]:
-    """Spans of one row as (kind, start, end); adjacent compute (or copy) spans merged into one bar."""
+    """Spans of one row as (kind, start, end), adjacent compute (or copy) spans merged."""
     out: list[tuple[str, float, float]] = []
     for s in spans:
         if s.end <= s.start:
@@ -308,8 +275,7 @@ def _bars(spans: list[Span]) -> list[tuple[str, float, float]]:
 
 
 def write_png(timelines: Mapping[str, Timeline], path: str | Path, title: str = "") -> None:
-    """Draw each graph's streams as rows of bars coloured by kind, ``title`` above (needs matplotlib,
-    which ``pip install 'fsdp-compile[plot]'`` installs)."""
+    """Draw each graph's streams as rows of bars coloured by kind (needs matplotlib)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

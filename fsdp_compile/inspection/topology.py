@@ -1,23 +1,18 @@
-"""How long collectives take on a world of hosts, alone and side by side: the model that the cost
-model (``timeline.simulate``) and the emulated world (``fsdp_compile.emulate``) share.
+"""How long collectives take on a world of hosts, alone and side by side (``timeline.simulate`` and
+``fsdp_compile.emulate`` share it).
 
-NOTE [collective time]: ``world`` ranks are laid out ``hosts`` x ``gpus_per_host`` (rank r on host
+NOTE [collective time]: ``world`` ranks sit ``gpus_per_host`` to a host (rank r on host
 ``r // gpus_per_host``). A collective of ``n`` ranks over a ``full_bytes`` buffer (an all-gather's output,
-a reduce-scatter's input) takes, when it runs alone,
+a reduce-scatter's input) takes alone
 
     latency + (n - 2) * hop_latency + (n - 1) / n * full_bytes / busbw
 
-with ``busbw`` the intra-host bus bandwidth when the group's ranks share one host and the inter-host
-one when they span hosts (a ring is as fast as its slowest link); an all-reduce is twice that, a
-broadcast moves the buffer once, a barrier costs the latency. Collectives running at the same time on
-different communicators share the rank's links: ``k`` of them each advance at ``min(1, shared / k)``
-of their solo rate, ``shared`` being how many solo collectives' worth of bytes per second the links
-carry together (``SHARED_LINKS``, from an all-gather and a reduce-scatter timed alone and together on two
-communicators of two H200s: docs/performance.md). One communicator runs its collectives one at a time,
-in the order they were issued.
-
-Not modelled: contention between ranks of a host for NVLink or the NIC beyond the bus bandwidth,
-NCCL's algorithm choice (tree, NVLS), stragglers.
+with ``busbw`` the intra-host bandwidth, or the inter-host one when its ranks span hosts; an all-reduce
+takes twice that, a broadcast moves the buffer once, a barrier costs the latency. ``k`` collectives running
+at once on different communicators each advance at ``min(1, shared / k)`` of their solo rate
+(``SHARED_LINKS``: measured with an all-gather and a reduce-scatter on two communicators, docs/performance.md).
+One communicator runs its collectives one at a time, in issue order. Not modelled: contention for NVLink
+or the NIC beyond the bus bandwidth, NCCL's algorithm choice, stragglers.
 """
 
 from __future__ import annotations
@@ -37,8 +32,8 @@ SHARED_LINKS = 1.27  # (solo time of both) / (time of both together), NOTE [coll
 
 
 def ring_seconds(kind: str, full_bytes: int, n: int, hw: Hardware, *, spans_hosts: bool) -> float:
-    """Seconds one ``kind`` collective over ``full_bytes`` among ``n`` ranks takes alone (NOTE
-    [collective time]); ``spans_hosts``: whether its ranks sit on more than one host."""
+    """Seconds one ``kind`` collective over ``full_bytes`` among ``n`` ranks takes alone
+    (NOTE [collective time]); ``spans_hosts``: whether its ranks sit on more than one host."""
     if kind not in COLLECTIVE_PASSES:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {', '.join(COLLECTIVE_PASSES)}")
     if n <= 1:
@@ -54,8 +49,8 @@ def ring_seconds(kind: str, full_bytes: int, n: int, hw: Hardware, *, spans_host
 
 @dataclass(frozen=True)
 class Topology:
-    """``world`` ranks on ``hosts`` hosts of ``hardware``, collectives on different communicators sharing
-    ``shared`` solo collectives' worth of bandwidth (NOTE [collective time])."""
+    """``world`` ranks on ``hosts`` hosts of ``hardware``, concurrent collectives sharing ``shared`` solo
+    collectives' worth of bandwidth (NOTE [collective time])."""
 
     world: int
     hardware: Hardware
@@ -74,8 +69,8 @@ class Topology:
 
     @classmethod
     def of(cls, world: int, hardware: Hardware, hosts: int | None = None) -> Topology:
-        """``world`` ranks on ``hosts`` hosts; by default on as few hosts of at most
-        ``hardware.ranks_per_node`` GPUs as divide the world evenly (64 ranks of 8-GPU hosts: 8 hosts)."""
+        """``world`` ranks on ``hosts`` hosts; by default the fewest hosts of at most
+        ``hardware.ranks_per_node`` GPUs that divide the world evenly."""
         if hosts is None:
             fewest = max(1, math.ceil(world / hardware.ranks_per_node))
             hosts = next(h for h in range(fewest, max(world, 1) + 1) if world % h == 0)
@@ -93,21 +88,10 @@ class Topology:
         """Seconds a ``kind`` collective over ``full_bytes`` among ``ranks`` takes alone on the links."""
         return ring_seconds(kind, full_bytes, len(ranks), self.hardware, spans_hosts=self.spans_hosts(ranks))
 
-    def rate(self, running: int) -> float:
-        """The share of its solo rate each of ``running`` concurrent collectives advances at."""
-        return min(1.0, self.shared / running) if running else 1.0
-
 
 class Links:
-    """Collectives issued on communicators that share one rank's links, timed by NOTE [collective time]:
-    each communicator runs its own one at a time, in issue order; ``k`` running at once each advance at
-    ``min(1, shared / k)`` of their solo rate. Issue times never go back::
-
-        links = Links(shared=1.27)
-        links.issue("ag0", "all_gather", solo=2e-3, at=0.0)
-        links.issue("rs0", "reduce_scatter", solo=2e-3, at=0.0)
-        links.interval("ag0")   # (0.0, 3.15e-3): both ran at 0.635 of their solo rate throughout
-    """
+    """Collectives issued in time order on communicators that share one rank's links
+    (NOTE [collective time])."""
 
     def __init__(self, shared: float = SHARED_LINKS) -> None:
         self.shared = shared

@@ -1,1 +1,1 @@
-"""What keeps ranks in step: the cross-rank agreement on each graph's collectives, the lockstep check-in, the peers' heartbeat."""
+"""What keeps ranks in step: the agreement on each graph's collectives, the lockstep check-in, the heartbeat."""

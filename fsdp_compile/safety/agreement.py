@@ -1,20 +1,13 @@
 """Cross-rank agreement: refuse to run a graph whose collectives differ between ranks.
 
-NOTE [agreement]: concurrent communicators deadlock when ranks issue their collectives in different
-orders (see NOTE [why two communicators]); a rank-dependent branch in the model makes exactly that.
-So when a graph is compiled, each rank posts the graph's collective sequence (kind, group role, dtype,
-shape, in launch order, waits included) to the store under a key made from that sequence, and waits
-until every peer (the ranks of the groups the graph uses) has compiled a graph with the same sequence,
-now or earlier. What must agree is the sequence, not the number of compiled graphs: a rank that
-recompiles for a new activation shape (padding per batch) compiles a graph with the same collectives,
-which its peers already posted, so it goes on at once, even when they never recompile.
-
-The wait is :func:`peers.wait_for` (NOTE [peers]): when two ranks each wait for a graph the other never
-compiled, both raise ``RuntimeError`` at once, naming the first differing collective on each; a peer
-that failed or is gone is named within seconds; a peer blocked inside a graph call that needs this
-rank (a forward run on some ranks only) after ``peers.STUCK_S``; a peer that is alive, in no graph, and
-never compiles the graph, at the process group's timeout (or ``agreement_timeout_s``). The cost is one small store
-exchange per compiled graph; ``make_backend(check_agreement=False)`` switches it off.
+NOTE [agreement]: ranks that issue their collectives in different orders deadlock on concurrent
+communicators (NOTE [why two communicators]), and a rank-dependent branch in the model does just that. So
+each rank posts each compiled graph's collective sequence (kind, group role, dtype, shape, in launch order,
+waits included) to the store under a key made from it, and waits until every peer has compiled a graph
+with the same sequence, now or earlier: a rank that recompiles for a new activation shape finds the
+sequence its peers already posted and goes on at once. The wait is :func:`peers.wait_for`
+(NOTE [peers]): ranks that compiled different graphs both raise, naming the first differing collective.
+``make_backend(check_agreement=False)`` switches it off.
 """
 
 from __future__ import annotations
@@ -34,12 +27,13 @@ from fsdp_compile._compat import group_timeout_s, resolve_group
 __all__ = ["GraphIdentity", "check_agreement", "fingerprint", "identify"]
 
 
-def fingerprint(gm: fx.GraphModule) -> list[str]:
-    """The graph's collectives in order, one readable line each (what every rank must agree on).
+def _op(launch: fx.Node) -> str:
+    return launch.target.__name__.split(".")[0]  # type: ignore[union-attr]
 
-    Groups are named by order of first use (``g0``, ``g1``, ...): with HSDP, peers use different
-    replicate groups of the same role, and what must match is which role each collective uses.
-    """
+
+def fingerprint(gm: fx.GraphModule) -> list[str]:
+    """The graph's collectives in order, one line each, groups named by order of first use (``g0``, ...):
+    with HSDP, peers use different replicate groups in the same role."""
     out: list[str] = []
     roles: dict[str, str] = {}
     for n in gm.graph.nodes:
@@ -49,10 +43,10 @@ def fingerprint(gm: fx.GraphModule) -> list[str]:
             dtype = str(val.dtype).removeprefix("torch.") if val is not None else "?"
             unit = fsdp_meta(n).get("unit")
             role = roles.setdefault(str(n.args[-1]), f"g{len(roles)}")
-            out.append(f"{n.target.__name__.split('.')[0]}(unit {unit}, group {role}, {dtype}[{shape}])")  # type: ignore[union-attr]
+            out.append(f"{_op(n)}(unit {unit}, group {role}, {dtype}[{shape}])")
         elif is_wait(n):
             launch = waited_collective(n)
-            out.append(f"wait({launch.target.__name__.split('.')[0]}, unit {fsdp_meta(launch).get('unit')})")  # type: ignore[union-attr]
+            out.append(f"wait({_op(launch)}, unit {fsdp_meta(launch).get('unit')})")
     return out
 
 
@@ -63,12 +57,11 @@ class GraphIdentity:
     kind: str  # "forward", "backward" or "inference"
     collectives: tuple[str, ...]
     groups: tuple[tuple[int, ...], ...]  # the ranks of each group the graph's collectives use
-    timeout_s: float  # how long to wait for peers (the groups' timeout unless set)
+    timeout_s: float  # how long to wait for peers
     timeout_set: bool = False  # timeout_s is agreement_timeout_s, not the groups' timeout
 
     @property
     def timeout_name(self) -> str:
-        """Where ``timeout_s`` comes from, for messages."""
         return "agreement_timeout_s" if self.timeout_set else "the process group's timeout"
 
     @property
@@ -82,7 +75,7 @@ class GraphIdentity:
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
-        """The identity as text (it travels inside the compiled graph: NOTE [lockstep])."""
+        """The identity as text, inside the compiled graph (NOTE [lockstep])."""
         return json.dumps({"kind": self.kind, "collectives": list(self.collectives),
                            "groups": [list(g) for g in self.groups], "timeout_s": self.timeout_s,
                            "timeout_set": self.timeout_set})
@@ -102,7 +95,7 @@ class GraphIdentity:
 def identify(gm: fx.GraphModule, kind: str, timeout_s: float | None = None) -> GraphIdentity | None:
     """The graph's identity, or ``None`` when it needs no peer (no collectives, one rank, no real group)."""
     if not _peers_mod.has_peers():
-        return None  # a fake or emulated process group: no other process to agree with
+        return None
     groups: set[tuple[int, ...]] = set()
     timeouts = []
     for n in gm.graph.nodes:
@@ -113,17 +106,17 @@ def identify(gm: fx.GraphModule, kind: str, timeout_s: float | None = None) -> G
     if all(len(g) <= 1 for g in groups):
         return None
     return GraphIdentity(kind=kind, collectives=tuple(fingerprint(gm)), groups=tuple(sorted(groups)),
-                         timeout_s=timeout_s if timeout_s is not None else max(timeouts), timeout_set=timeout_s is not None)
+                         timeout_s=timeout_s if timeout_s is not None else max(timeouts),
+                         timeout_set=timeout_s is not None)
 
 
-# Keys every peer has posted, per default process group (a recompile with the same collectives need
-# not wait again, and must not post twice: peers count posts).
+# Keys every peer has posted (a recompile with the same collectives must not post twice: peers count posts).
 _agreed: _peers_mod.PerProcessGroup[set[str]] = _peers_mod.PerProcessGroup(set)
 
 
 def check_agreement(graph: GraphIdentity) -> None:
-    """Wait until every peer compiled a graph with ``graph``'s collectives; raise ``RuntimeError`` if
-    the ranks compile different ones, or a peer fails, is gone or never comes (NOTE [agreement])."""
+    """Wait until every peer compiled a graph with ``graph``'s collectives; raise ``RuntimeError`` if they
+    compile different ones, or a peer fails, is gone or never comes (NOTE [agreement])."""
     what = f"compile {graph.describe()} (the same sequence as this rank's)"
     value = json.dumps({"kind": graph.kind, "collectives": list(graph.collectives)})
     me = dist.get_rank()
@@ -150,9 +143,7 @@ def _difference(me: int, kind: str, mine: list[str], rank: int, their_kind: str,
     i = next((i for i, (x, y) in enumerate(zip(a_seq, b_seq)) if x != y), min(len(a_seq), len(b_seq)))
     a_at = a_seq[i] if i < len(a_seq) else "(no more collectives)"
     b_at = b_seq[i] if i < len(b_seq) else "(no more collectives)"
-    return (
-        f"fsdp_compile: a compiled graph differs across ranks, so its collectives would deadlock. First "
-        f"difference at collective #{i}: rank {a} ({a_kind} graph) issues {a_at}; rank {b} ({b_kind} graph) "
-        f"issues {b_at}. (Seen on rank {me}.) Make the model's control flow and parameters identical on "
-        "every rank."
-    )
+    return (f"fsdp_compile: a compiled graph differs across ranks, so its collectives would deadlock. First "
+            f"difference at collective #{i}: rank {a} ({a_kind} graph) issues {a_at}; rank {b} ({b_kind} graph) "
+            f"issues {b_at}. (Seen on rank {me}.) Make the model's control flow and parameters identical on "
+            "every rank.")

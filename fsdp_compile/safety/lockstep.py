@@ -1,31 +1,17 @@
 """Lockstep: notice, while compiled graphs run, that ranks run different sequences of them.
 
-NOTE [lockstep]: the agreement check (NOTE [agreement]) compares graphs when they are compiled. Once
-every rank has compiled the same graphs, a rank can still *run* a different sequence of them: an
-evaluation on rank 0 only (``if rank == 0: model(x)``) runs the inference graph there while rank 1 runs
-the training forward, and their collectives pair up wrongly: a hang, a gloo abort or, where the sizes
-happen to match, the wrong parameters exchanged. Checking every call would cost a store round trip
-per graph; instead a rank *checks in* with its peers (``peers.wait_for``) only when its sequence does
-something new:
+NOTE [lockstep]: ranks that compiled the same graphs (NOTE [agreement]) can still *run* different sequences
+of them (``if rank == 0: model(x)`` runs the inference graph on rank 0 only), and their collectives pair up
+wrongly: a hang, an abort, or the wrong parameters exchanged. Checking every call would cost a store round
+trip, so a rank *checks in* with its peers (``peers.wait_for``) only when its sequence does something new:
+a transition between two graphs not run before, or entering an inference graph from another kind (each
+evaluation phase). Ranks in lockstep check in together and go on; a rank whose sequence departs raises
+before any collective of the departing graph, naming what its peers run instead.
 
-- a transition between two graphs (previous graph -> this graph) that it has not run before: the first
-  steps of training, the first evaluation, a new graph break;
-- entering an inference graph from a non-inference one: every evaluation phase (not every batch).
-
-Ranks in lockstep reach these calls together, so their check-ins pair up and they go on; a rank whose
-sequence departs waits alone and raises, naming what its peers run instead, before any collective of
-the departing graph is issued. In steady training no check-in happens: a dictionary lookup per call.
-
-The check-in is the first node of the compiled graph itself (``fsdp::check_in``, holding the graph's
-identity as text: :func:`insert_check_in`), not a wrapper around it, so that a graph loaded from
-Inductor's caches on a warm start (NOTE [warm start] in ``cache.py``) checks in exactly as a freshly
-compiled one does. Its first call also runs the agreement check (NOTE [agreement]), which a loaded
-graph skipped when it was not compiled; on a cold start that check already ran and is not repeated.
-
-And when a collective inside a compiled graph fails (gloo's timeout, a closed connection), the error
-gets a note saying what every peer is doing (``peers.describe``), e.g. "rank 0: waiting for its peers
-to run an inference graph", so the message names the mistake and not only its symptom
-(:func:`note_failures`).
+The check-in is the compiled graph's first node (``fsdp::check_in``, holding the graph's identity), so a
+graph loaded from Inductor's caches (NOTE [warm start] in ``cache.py``) checks in as a fresh one does; its
+first call also runs the agreement check, which a loaded graph skipped. And when a collective inside a
+compiled graph fails, :func:`note_failures` adds to the error what every peer is doing.
 """
 
 from __future__ import annotations
@@ -65,34 +51,26 @@ def _before_call(graph: GraphIdentity) -> None:
     prev, seq.last = seq.last, graph
     seq.calls += 1
     call = seq.calls
-    peers.entering(call, graph.describe(), graph.peers)  # until the outermost wrapper returns: _noting
+    peers.entering(call, graph.describe(), graph.peers)  # until the outermost _noting wrapper returns
     transition = (prev.key if prev is not None else None, graph.key)
     entering_eval = graph.kind == "inference" and (prev is None or prev.kind != "inference")
     if transition in seq.seen and not entering_eval:
         return
     seq.seen.add(transition)
-    _check_in(seq, graph, prev, call)
-
-
-def _check_in(seq: _Sequence, graph: GraphIdentity, prev: GraphIdentity | None, call: int) -> None:
     seq.check_ins += 1
     after = f"after {prev.describe()}" if prev is not None else "as its first graph"
     what = f"run {graph.describe()} as graph call #{call}, {after}"
-    # Ranks in lockstep make the same check-in: its key holds what they run, so a rank that runs
-    # something else posts under another key, and the two see each other waiting (peers.wait_for).
+    # The key holds what the rank runs: ranks that run different things see each other wait under other keys.
     step = hashlib.sha1(json.dumps([call, graph.key, prev.key if prev else None]).encode()).hexdigest()[:12]
     me = dist.get_rank()
 
     def diverged(rank: int, theirs: peers.Waiting, _their_value: str | None) -> str:
         return (f"fsdp_compile: rank {me} is about to {what}, but rank {rank} waits for its peers to "
-                f"{theirs.what}. {_ADVICE}")
+                f"{theirs.what}. {peers.DIVERGED_ADVICE}")
 
     key = f"lockstep/{seq.check_ins}/{step}"
     peers.wait_for(peers.Waiting(key=key, what=what, groups=graph.groups), what, timeout_s=graph.timeout_s,
                    diverged=diverged, timeout_name=graph.timeout_name)
-
-
-_ADVICE = peers.DIVERGED_ADVICE
 
 
 @torch.library.custom_op("fsdp::check_in", mutates_args=())
@@ -132,10 +110,12 @@ def _failure_note(error: BaseException, graph: GraphIdentity) -> str:
     first = str(error).splitlines()[0] if str(error) else ""
     peers.note_failure(f"{peers.COLLECTIVE_FAILED} {graph.describe()} ({type(error).__name__}: {first})")
     doing = peers.describe_all(graph.peers)
-    cause = (f"A peer waits for a graph this rank did not run. {_ADVICE}" if "waiting for its peers" in doing
-             else "A peer found that the ranks diverged (its words above)." if _ADVICE in doing
+    advice = peers.DIVERGED_ADVICE
+    cause = (f"A peer waits for a graph this rank did not run. {advice}" if "waiting for its peers" in doing
+             else "A peer found that the ranks diverged (its words above)." if advice in doing
              else "A peer that failed or is gone is the cause: look at its output.")
-    return f"fsdp_compile: a collective of {graph.describe()} failed on rank {me}. Its peers: {doing.rstrip('.')}. {cause}"
+    return (f"fsdp_compile: a collective of {graph.describe()} failed on rank {me}. "
+            f"Its peers: {doing.rstrip('.')}. {cause}")
 
 
 _COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "pair closure", "socket",
@@ -143,8 +123,7 @@ _COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "p
 
 
 def _is_communication_error(error: BaseException) -> bool:
-    """A collective failed: a c10d error, or a runtime error whose text says so (gloo raises plain
-    RuntimeErrors). Out-of-memory errors are not."""
+    """A c10d error, or a runtime error (not out-of-memory) whose text names communication (gloo's)."""
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(error, dist_error):
         return True
@@ -155,11 +134,10 @@ def _is_communication_error(error: BaseException) -> bool:
 
 
 def _noted(e: Exception, graph: GraphIdentity | None) -> Exception | None:
-    """``e`` with a note naming what every peer does, or a ``RuntimeError`` to raise from it (Python
-    3.10); ``None`` when it needs none: not a collective's failure, or noted already."""
-    if graph is None or not _is_communication_error(e) or isinstance(e, peers.PeerError):
-        return None
-    if getattr(e, "_fsdp_compile_noted", False):
+    """Add to ``e`` a note naming what every peer does; return a ``RuntimeError`` to raise instead on Python
+    3.10, else ``None``."""
+    if (graph is None or not _is_communication_error(e) or isinstance(e, peers.PeerError)
+            or getattr(e, "_fsdp_compile_noted", False)):
         return None
     note = _failure_note(e, graph)
     if not hasattr(e, "add_note"):  # Python 3.10
@@ -172,14 +150,12 @@ def _noted(e: Exception, graph: GraphIdentity | None) -> Exception | None:
 
 
 def note_failures(compiled: Callable[..., Any], *, boxed: bool = False) -> Callable[..., Any]:
-    """``compiled`` noting a failed collective with what every peer does, naming the graph this process
-    last checked in with (the failing one: ``fsdp::check_in`` is its first node).
+    """``compiled`` adding to a failed collective's error what every peer does.
 
-    Applied to each compiled graph with peers (``boxed``: it takes its inputs as one list), keeping
-    what AOTAutograd's cache reads off it (its key in Inductor's graph cache) so that it is still
-    saved for a warm start; and to what AOTAutograd returns for a Dynamo graph, since the graphs loaded
-    from the caches on a warm start carry no wrapper of their own (NOTE [warm start] in ``cache.py``).
-    That wrapper covers their forward, and on its first call their backward too (:func:`_note_backward`)."""
+    Applied to each compiled graph with peers (``boxed``: it takes its inputs as one list; the wrapper keeps
+    its Inductor cache key so it is still saved), and to what AOTAutograd returns for a Dynamo graph, which
+    covers graphs loaded from the caches (NOTE [warm start] in ``cache.py``): their forward, and from its
+    first call their backward (:func:`_note_backward`)."""
     first = [not boxed]
     call = _noting(compiled)
 
@@ -201,11 +177,8 @@ def note_failures(compiled: Callable[..., Any], *, boxed: bool = False) -> Calla
 
 
 def _note_backward(outputs: Any) -> None:
-    """Make the backward of the autograd function that produced ``outputs`` note a failed collective as
-    the forward does. A graph loaded from AOTAutograd's cache runs its backward straight from autograd,
-    past every wrapper of ours; autograd looks its ``backward`` up on the function's class at each call,
-    so wrapping it there covers every later backward of that graph. Once per class; outputs that come
-    from no such function (no grad, inference) leave nothing to do."""
+    """Wrap ``backward`` on the class of the autograd function that produced ``outputs`` (once per class): a
+    graph loaded from AOTAutograd's cache runs its backward straight from autograd, past our wrappers."""
     for t in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
         fn = getattr(t, "grad_fn", None)
         cls = getattr(fn, "_forward_cls", None)
@@ -217,7 +190,7 @@ def _note_backward(outputs: Any) -> None:
 
 
 def _noting(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` adding to a failed collective's error what every peer does (:func:`_noted`)."""
+    """``fn`` adding to a failed collective's error what every peer does."""
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:

@@ -1,38 +1,20 @@
 """Peers: a wait on other ranks that tells a failed rank from a slow one and from a diverged one.
 
-NOTE [peers]: the cross-rank checks (``agreement.py`` when a graph is compiled, ``lockstep.py`` when
-graphs run) wait for other ranks through the default process group's key-value store. A bare wait
-cannot tell a slow peer from a dead one, or from one that will never come because it waits for
-something else, and so ends, much later, with the wrong diagnosis. Hence:
+NOTE [peers]: the cross-rank checks (``agreement.py``, ``lockstep.py``) wait for other ranks through the
+default process group's store, and must tell a slow peer from a dead or a diverged one:
 
-- From ``FsdpGroups.create()`` on, every rank runs a *heartbeat* thread that bumps ``alive/<rank>`` in
-  the store every second, on a store connection of its own. A peer whose heartbeat stays still for
-  ``STALE_S`` seconds is gone. A rank that fails or exits also says so (``failed/<rank>``,
-  ``exited/<rank>``): from ``sys.excepthook``, at exit, from ``launch.run_ranks`` and from our own checks.
-- A rank that waits publishes what it waits for (``waiting/<rank>``: a key and a description). If a peer
-  it waits for is itself waiting for a key this rank never posted, neither can go on: they diverged.
-- The heartbeat also says which compiled graph call the rank is inside, if any (:func:`entering`). A
-  peer seen inside one graph call, whose collectives need this rank, for ``STUCK_S`` while this rank
-  waits in a check (so issues no collective) is blocked in a collective this rank will not join: they
-  diverged too, and the wait raises then, not at the process group's timeout. ``STUCK_S`` leaves room
-  for a peer that finishes the work after its graph's last collective slowly (a first call that tunes
-  kernels), since from here a collective cannot be told from computation.
-- If the store's host (rank 0, or torchrun's agent) is gone, store calls fail: that is reported too.
+- From ``FsdpGroups.create()`` on, each rank's heartbeat thread bumps ``alive/<rank>`` every second on a
+  store connection of its own; a heartbeat still for ``STALE_S`` means the peer is gone. A rank that fails
+  or exits says so (``failed/<rank>``, ``exited/<rank>``).
+- A waiting rank publishes what it waits for (``waiting/<rank>``): two ranks each waiting for a key the
+  other never posts have diverged.
+- The heartbeat tells which graph call the rank is inside (:func:`entering`): a peer inside one whose
+  collectives need this rank, for ``STUCK_S`` while this rank waits in a check, is blocked in a collective
+  this rank will not join.
+- A failing store call means the store's host is gone.
 
-What this does to the process, and for how long (the only process-wide effects of ``FsdpGroups``): the
-heartbeat thread, a ``sys.excepthook`` that writes ``failed/<rank>`` and then calls the hook it
-replaced, and an ``atexit`` function that writes ``exited/<rank>``. All three exist only while an
-``FsdpGroups`` on a process group with peers (not ``fake`` or ``emulated``) is alive: they start with the first
-``FsdpGroups.create()`` and end with the last ``FsdpGroups.destroy()`` (the thread also ends when its
-process group is destroyed). The previous ``sys.excepthook`` is put back then, unless something
-replaced ours meanwhile; ours then only passes exceptions on.
-
-So :func:`wait_for` returns once every peer has posted, or raises :class:`PeerError` naming the rank and
-what happened: within seconds when a peer is gone or diverged (``STUCK_S`` and a heartbeat when it is
-blocked inside a graph), at the process group's timeout (or ``agreement_timeout_s``) when a peer is
-alive, in no graph, and never comes. While all goes well a waiting rank polls one arrival counter per group,
-so the cost does not grow with the number of peers; the heartbeat is one small store write per rank per
-second.
+The heartbeat thread, our ``sys.excepthook`` and our ``atexit`` function live from the first
+``FsdpGroups.create()`` to the last ``destroy()`` on a process group with peers.
 """
 
 from __future__ import annotations
@@ -52,11 +34,14 @@ import torch.distributed as dist
 
 from fsdp_compile._compat import default_store, store_connection
 from fsdp_compile.safety.liveness import NS as _NS
-from fsdp_compile.safety.liveness import STALE_S, STUCK_S, Liveness, entering, hear, heard, inside_now, inside_of, leaving
+from fsdp_compile.safety.liveness import (
+    STALE_S, STUCK_S, Liveness, entering, hear, heard, inside_now, inside_of, leaving,
+)
 
 __all__ = [
-    "COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "STUCK_S", "PerProcessGroup", "PeerError", "Waiting",
-    "describe", "describe_all", "entering", "group_id", "leaving", "note_failure", "release", "start", "wait_for",
+    "COLLECTIVE_FAILED", "DIVERGED_ADVICE", "HEARTBEAT_S", "STALE_S", "STUCK_S", "PerProcessGroup", "PeerError",
+    "Waiting", "describe", "describe_all", "entering", "group_id", "leaving", "note_failure", "release", "start",
+    "wait_for",
 ]
 
 HEARTBEAT_S = 1.0
@@ -64,7 +49,6 @@ QUIET_S = 1.0  # waiting this long, look at each missing peer (then every LOOK_S
 LOOK_S = 1.0
 LINGER_S = 10.0
 T = TypeVar("T")
-# A failure note that starts so says the rank was running collectives that its peers did not join.
 COLLECTIVE_FAILED = "a collective failed in"
 DIVERGED_ADVICE = (
     "The ranks run different sequences of compiled graphs: a forward or an evaluation on some ranks only "
@@ -74,8 +58,8 @@ DIVERGED_ADVICE = (
 
 
 class PerProcessGroup(Generic[T]):
-    """State that lives as long as the default process group: after ``destroy_process_group`` and a new
-    ``init_process_group`` (the store is a new one too), :meth:`get` starts afresh from ``factory``."""
+    """State that lives as long as the default process group: :meth:`get` starts afresh from ``factory``
+    after a new ``init_process_group``."""
 
     def __init__(self, factory: Callable[[], T]) -> None:
         self._factory = factory
@@ -95,7 +79,7 @@ class PeerError(RuntimeError):
 
 @dataclass
 class _Heartbeat:
-    world: weakref.ref  # the WORLD group this heartbeat belongs to
+    world: weakref.ref
     rank: int
     stop: threading.Event = field(default_factory=threading.Event)
     lost: str | None = None  # why the heartbeat could not write to the store any more
@@ -103,17 +87,12 @@ class _Heartbeat:
 
 _heartbeat: _Heartbeat | None = None
 _users = 0  # FsdpGroups alive in this process
-_hooks_on = False  # our sys.excepthook reports and our atexit function is registered (NOTE [peers])
-_chained = False  # ours is in the chain of sys.excepthook (kept where another hook wrapped it)
+_hooks_on = False  # our sys.excepthook reports and our atexit function is registered
+_chained = False  # ours is in the chain of sys.excepthook
 _previous_hook: Callable[..., object] = sys.__excepthook__  # the sys.excepthook ours replaced
 
 
-def _store() -> dist.Store:
-    return default_store()
-
-
-# Backends on which this process is the only real rank: a fake group, and the emulated world
-# (fsdp_compile/emulate/group.py); nobody else posts to the store, so there is no peer to wait for.
+# Backends on which this process is the only real rank (a fake group, the emulated world).
 SOLO_BACKENDS = ("fake", "emulated")
 
 
@@ -122,10 +101,8 @@ def has_peers() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() not in SOLO_BACKENDS
 
 
-
 def start() -> None:
-    """Start this rank's heartbeat (once per default process group; each call is matched by a
-    :func:`release`); a no-op without a real process group."""
+    """Start this rank's heartbeat (once per default process group, each call matched by a :func:`release`)."""
     global _heartbeat, _users
     if not has_peers():
         return
@@ -136,14 +113,14 @@ def start() -> None:
     if _heartbeat is not None:
         _heartbeat.stop.set()
     beat = _Heartbeat(world=weakref.ref(world), rank=dist.get_rank())
-    conn = store_connection(_store())
+    conn = store_connection(default_store())
     threading.Thread(target=_beat, args=(beat, conn), name="fsdp_compile-heartbeat", daemon=True).start()
     _heartbeat = beat
     _install_hooks()
 
 
 def release() -> None:
-    """Undo one :func:`start`; the heartbeat stops with the last (``FsdpGroups.destroy()``)."""
+    """Undo one :func:`start`; the heartbeat stops with the last."""
     global _users
     _users = max(0, _users - 1)
     if _users == 0:
@@ -153,9 +130,9 @@ def release() -> None:
 
 
 def _beat(beat: _Heartbeat, conn: dist.Store) -> None:
-    n, last_call = 0, None  # the graph call this process was inside at the last beat
+    n, last_call = 0, None
     while not beat.stop.is_set():
-        if beat.world() is None or not dist.is_initialized():  # its process group is destroyed: so is its store
+        if beat.world() is None or not dist.is_initialized():  # the store is gone with the group
             return
         try:
             inside = inside_now()
@@ -173,7 +150,7 @@ def _beat(beat: _Heartbeat, conn: dist.Store) -> None:
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: object) -> None:
-    """Ours while installed: tell the peers, then run the hook ours replaced."""
+    """Tell the peers (while installed), then run the hook ours replaced."""
     if _hooks_on:
         note_failure(f"{kind.__name__}: {value}")
     _previous_hook(kind, value, tb)
@@ -184,8 +161,7 @@ def _exited() -> None:
 
 
 def _install_hooks() -> None:
-    """Say ``failed`` on an uncaught exception and ``exited`` at exit, so peers learn it at once (until
-    :func:`_remove_hooks`, NOTE [peers])."""
+    """Say ``failed`` on an uncaught exception and ``exited`` at exit (NOTE [peers])."""
     global _hooks_on, _chained, _previous_hook
     if _hooks_on:
         return
@@ -196,8 +172,7 @@ def _install_hooks() -> None:
 
 
 def _remove_hooks() -> None:
-    """Undo :func:`_install_hooks`: the previous ``sys.excepthook`` again (unless another replaced ours
-    since: ours then only passes exceptions on), no ``atexit`` function."""
+    """Undo :func:`_install_hooks` (where another hook replaced ours since, ours only passes exceptions on)."""
     global _hooks_on, _chained
     if not _hooks_on:
         return
@@ -211,17 +186,17 @@ def _note(kind: str, text: str) -> None:
     if _heartbeat is None or not has_peers():
         return
     try:
-        _store().set(f"{_NS}{kind}/{_heartbeat.rank}", text)
+        default_store().set(f"{_NS}{kind}/{_heartbeat.rank}", text)
         if kind == "failed":
-            _store().set(f"{_NS}failed/any", f"{_heartbeat.rank}|{text}")
+            default_store().set(f"{_NS}failed/any", f"{_heartbeat.rank}|{text}")
     except RuntimeError:
         pass  # the store is gone too: peers notice the silence
 
 
 def note_failure(text: str) -> None:
-    """Tell peers this rank failed (first line of ``text`` is kept), so their waits end at once."""
+    """Tell peers this rank failed (the first line of the first failure), so their waits end at once."""
     first = text.strip().splitlines()[0] if text.strip() else "failed"
-    if not _failures:  # the first failure is the cause; what follows is its consequence
+    if not _failures:  # the first failure is the cause
         _failures.append(first[:2000])
     _note("failed", _failures[0])
 
@@ -229,14 +204,13 @@ def note_failure(text: str) -> None:
 _failures: list[str] = []
 
 
-
 @dataclass(frozen=True)
 class Waiting:
-    """What a rank waits for: a store key every member of each group posts under, and words for messages."""
+    """What a rank waits for: a store key every member of each group posts under."""
 
     key: str
-    what: str  # e.g. "compile a forward graph with 9 collectives"
-    groups: tuple[tuple[int, ...], ...]  # the ranks of each process group involved
+    what: str  # for messages: "compile a forward graph with 9 collectives"
+    groups: tuple[tuple[int, ...], ...]
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -250,45 +224,23 @@ def group_id(ranks: tuple[int, ...]) -> str:
 
 def _waiting_of(store: dist.Store, rank: int) -> Waiting | None:
     key = f"{_NS}waiting/{rank}"
-    if not store.check([key]):
-        return None
-    raw = store.get(key).decode()
+    raw = store.get(key).decode() if store.check([key]) else ""
     if not raw:
         return None
     d = json.loads(raw)
     return Waiting(key=d["key"], what=d["what"], groups=tuple(tuple(g) for g in d["groups"]))
 
 
-def _lost_store(me: int, what: str, err: BaseException) -> PeerError:
-    first = str(err).splitlines()[0] if str(err) else type(err).__name__
-    return PeerError(
-        f"fsdp_compile: rank {me} lost the connection to the process group's store while waiting for its "
-        f"peers to {what} ({first}). The store lives on rank 0 (or in torchrun's agent): rank 0 is most "
-        "likely gone (it raised, exited or was killed); its own output says why."
-    )
+def wait_for(waiting: Waiting, value: str, *, timeout_s: float, diverged: Callable[[int, Waiting, str | None], str],
+             timeout_name: str = "the process group's timeout") -> None:
+    """Post ``value`` under ``waiting.key``; return once every member of ``waiting.groups`` has posted too.
 
-
-def wait_for(
-    waiting: Waiting,
-    value: str,
-    *,
-    timeout_s: float,
-    diverged: Callable[[int, Waiting, str | None], str],
-    timeout_name: str = "the process group's timeout",
-) -> None:
-    """Post ``value`` under ``waiting.key`` for this rank; return once every member of every group of
-    ``waiting`` has posted under that key too.
-
-    Raises :class:`PeerError` when a peer failed or is gone, when the store is gone, after ``timeout_s``
-    when a peer is alive but has not posted (``timeout_name`` says where that time comes from), after
-    ``STUCK_S`` when a peer is blocked inside a graph call that needs this rank, and when a peer waits for
-    a key this rank never posted: then the message is ``diverged(rank, what it waits for, the value it
-    posted there)``.
-    Scales with the number of ranks: while all goes well, a rank polls one counter per group; the
-    per-peer look (who is missing, gone or waiting for what) starts after ``QUIET_S`` of waiting.
+    Raises :class:`PeerError` when a peer or the store is gone, after ``timeout_s`` when a peer is alive but
+    has not posted, after ``STUCK_S`` when a peer is blocked in a graph call that needs this rank, and when a
+    peer waits for a key this rank never posted (message: ``diverged(rank, their Waiting, their value)``).
     """
     me = dist.get_rank()
-    store = _store()
+    store = default_store()
     mine = [g for g in waiting.groups if me in g and len(g) > 1]
     try:
         store.set(f"{_NS}{waiting.key}/{me}", value)
@@ -306,7 +258,11 @@ def wait_for(
         note_failure(str(e))
         raise
     except RuntimeError as e:  # a store call failed: its host is gone
-        raise _lost_store(me, waiting.what, e) from e
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PeerError(f"fsdp_compile: rank {me} lost the connection to the process group's store while waiting "
+                        f"for its peers to {waiting.what} ({first}). The store lives on rank 0 (or in torchrun's "
+                        "agent): rank 0 is most likely gone (it raised, exited or was killed); its own output says "
+                        "why.") from e
 
 
 def _wait(store: dist.Store, groups: list[tuple[int, ...]], me: int, waiting: Waiting, timeout_s: float,
@@ -337,10 +293,8 @@ def _look_at_peers(store: dist.Store, me: int, waiting: Waiting, live: Liveness,
         if gone is not None:
             cause = (f"rank {p} was running other graphs than this rank. {DIVERGED_ADVICE}"
                      if COLLECTIVE_FAILED in gone else f"look at rank {p}'s own output for the cause.")
-            raise PeerError(
-                f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} {gone}: "
-                f"{cause} This rank stops too."
-            )
+            raise PeerError(f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} {gone}: "
+                            f"{cause} This rank stops too.")
         theirs = _waiting_of(store, p)
         if theirs is not None and theirs.key != waiting.key and me in theirs.peers \
                 and not store.check([f"{_NS}{theirs.key}/{me}"]):
@@ -349,11 +303,9 @@ def _look_at_peers(store: dist.Store, me: int, waiting: Waiting, live: Liveness,
             raise PeerError(diverged(p, theirs, their_value))
         stuck = live.stuck(p, me) if theirs is None else None
         if stuck is not None:
-            message = (
-                f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} has been inside "
-                f"{stuck}: blocked in a collective that needs this rank, which will not join it. "
-                f"{DIVERGED_ADVICE}"
-            )
+            message = (f"fsdp_compile: rank {me} waits for its peers to {waiting.what}, but rank {p} has been inside "
+                       f"{stuck}: blocked in a collective that needs this rank, which will not join it. "
+                       f"{DIVERGED_ADVICE}")
             note_failure(message)
             end = time.monotonic() + LINGER_S  # until the peer heard it (NOTE [heard failures])
             while time.monotonic() < end and not store.check([f"{_NS}heard/{p}"]):
@@ -362,30 +314,25 @@ def _look_at_peers(store: dist.Store, me: int, waiting: Waiting, live: Liveness,
     waited = time.monotonic() - live.start
     if missing and waited > timeout_s:
         doing = "; ".join(f"rank {p}: {describe(p)}" for p in missing)
-        message = (
-            f"fsdp_compile: rank {me} waited {waited:.0f} s ({timeout_name}) for ranks "
-            f"{missing} to {waiting.what}; they are alive but did not ({doing}). {DIVERGED_ADVICE}"
-        )
+        message = (f"fsdp_compile: rank {me} waited {waited:.0f} s ({timeout_name}) for ranks "
+                   f"{missing} to {waiting.what}; they are alive but did not ({doing}). {DIVERGED_ADVICE}")
         note_failure(message)
         _linger(store, missing, live)
         raise PeerError(message)
 
 
 def _linger(store: dist.Store, absent: list[int], live: Liveness) -> None:
-    """Before a rank that timed out raises (and its process, maybe the store's host, exits), give the
-    absent peers up to ``LINGER_S`` to fail on their own, typically in a collective that timed out
-    too, and read this rank's note: their errors then say why, not only that rank 0 is gone."""
+    """Give the absent peers up to ``LINGER_S`` to fail and read this rank's note before it raises (and maybe
+    takes the store down)."""
     end = time.monotonic() + LINGER_S
-    while time.monotonic() < end:
-        if all(live.why_gone(p) is not None for p in absent):
-            return
+    while time.monotonic() < end and not all(live.why_gone(p) is not None for p in absent):
         time.sleep(0.1)
 
 
 def describe(rank: int) -> str:
     """What ``rank`` is doing, as far as the store knows (for error messages; never raises)."""
     try:
-        store = _store()
+        store = default_store()
         for kind in ("failed", "exited"):
             if store.check([f"{_NS}{kind}/{rank}"]):
                 return f"{kind}: {store.get(f'{_NS}{kind}/{rank}').decode()}" if kind == "failed" else "exited"

@@ -19,7 +19,6 @@ from fsdp_compile.examples.models import PRESETS
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line's parser: ``demo`` and ``explain``, each with its flags."""
     p = argparse.ArgumentParser(
         prog="python -m fsdp_compile",
         description="fsdp-compile: FSDP as a torch.compile backend. 'demo' trains a small transformer; 'explain' "
@@ -35,13 +34,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
-    if ns.command == "demo":
-        return demo.main(ns)
-    if ns.command == "explain":
-        return _explain(ns)
-    if ns.command == "emulate":
-        return emulate_cli.main(ns)
-    raise AssertionError(ns.command)
+    commands = {"demo": demo.main, "explain": _explain, "emulate": emulate_cli.main}
+    return commands[ns.command](ns)
 
 
 def _explain_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,7 +85,8 @@ def _bytes_arg(text: str) -> int | str | None:
     try:
         value = float(low[:-1] if scale > 1 else low)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give bytes as 1048576, 512K, 64M or 2G, or 'auto'/'none'") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes as 1048576, 512K, 64M or 2G, "
+                                         "or 'auto'/'none'") from None
     return int(value * scale)
 
 
@@ -126,14 +121,13 @@ def _explain(ns: argparse.Namespace) -> int:
 
 
 def _fresh_dir(path: Path) -> Path:
-    """``path`` if it is missing or empty, else the first of ``path-2``, ``path-3``... that is: a default
-    output directory never overwrites an earlier run."""
+    """``path`` if it is missing or empty, else the first of ``path-2``, ``path-3``... that is."""
     candidates = itertools.chain([path], (path.with_name(f"{path.name}-{i}") for i in itertools.count(2)))
     return next(p for p in candidates if not p.exists() or not any(p.iterdir()))
 
 
 def summary_text(s: dict[str, Any], ns: argparse.Namespace) -> str:
-    """The lines ``explain`` prints: the estimated step, what it is made of, peaks in flight."""
+    """The lines ``explain`` prints."""
     lines = [
         f"{ns.model} at {ns.world_size} ranks on {s['hosts']} host(s) of {s['hardware']}, {ns.dtype} ({ns.dedicated} "
         f"dedicated, {ns.schedule} schedule, prefetch {ns.prefetch}):",
@@ -149,7 +143,8 @@ def summary_text(s: dict[str, Any], ns: argparse.Namespace) -> str:
         fewer, traced = s["extrapolated_from_layers"]
         lines.append(f"  depth              the model's {s['layers']} blocks are identical: copies of {fewer} and "
                      f"{traced} blocks were traced, and the figures above add their difference per block up to "
-                     f"{s['layers']}; the tables and picture show the {traced}-block copy (--trace-layers 0 traces all)")
+                     f"{s['layers']}; the tables and picture show the {traced}-block copy "
+                     "(--trace-layers 0 traces all)")
     return "\n".join(lines)
 
 

@@ -1,8 +1,6 @@
 """An emulated world: one process on one GPU plays rank 0 of N, its compute real, its communication timed.
 
-``init_emulated_world`` starts it (NOTE [emulated backend] in ``group.py``), ``timing.py`` says how long a
-collective takes (NOTE [emulated time]), ``kernels.py`` is what runs on the GPU for one (NOTE [emulated
-kernel]), and ``measure.py`` times training steps and reads a trace for exposed communication.
+``init_emulated_world`` starts it (NOTE [emulated backend]); ``measure_steps`` times training steps.
 """
 
 from fsdp_compile.emulate.group import BACKEND, EmulatedGroup, Ledger, emulated_topology, init_emulated_world, ledger

@@ -1,18 +1,12 @@
 """The emulated process group: this process is rank 0 of a world of N, and every collective is timed, not sent.
 
-NOTE [emulated backend]: ``init_emulated_world(world)`` registers the backend ``"emulated"`` through
-torch's public ``Backend.register_backend`` and makes it the default process group (rank 0 of
-``world``, an in-process store). Every group made after that, by anyone (``FsdpGroups``, FSDP2's
-``DeviceMesh``, SimpleFSDP's), is an :class:`EmulatedGroup`, and every collective reaches it: eager
-``torch.distributed`` calls, the functional collectives that compiled code calls (``_out`` forms
-included), coalesced forms, all-reduce, broadcast, barrier. Nothing in the callers is patched.
-
-A group is one communicator: one CUDA stream that runs its collectives one at a time, as an NCCL
-communicator does. A collective waits for the caller's current stream at launch, runs the kernel of
-NOTE [emulated kernel] on the group's stream, and keeps its tensors alive there (``record_stream``);
-``Work.wait()`` makes the caller's current stream wait for it. On CPU tensors the data is moved at once
-and no time is modelled (the bookkeeping runs without a GPU). Values: every rank's part holds rank 0's
-data, so losses are not those of a real run.
+NOTE [emulated backend]: ``init_emulated_world(world)`` registers the backend ``"emulated"``
+(``Backend.register_backend``) as the default process group, so every group made afterwards (``FsdpGroups``,
+FSDP2's ``DeviceMesh``, SimpleFSDP's) is an :class:`EmulatedGroup` and every collective form reaches it, the
+functional ``_out`` forms included; no caller is patched. A group is one communicator: one CUDA stream running
+its collectives in order. A collective waits for the caller's stream, runs NOTE [emulated kernel] on the
+group's stream and ``record_stream``s its tensors; ``Work.wait()`` makes the caller's stream wait for it. CPU
+tensors are moved at once, untimed. Every rank's part holds rank 0's data, so losses are not a real run's.
 """
 
 from __future__ import annotations
@@ -103,14 +97,13 @@ class _Work(dist._Work):
         return fut
 
 
-def _scale(op: Any, n: int, kind: str) -> float:
-    """What every rank holding the same data makes of ``op``: a reduce-scatter sums its n chunks (a mean
-    for AVG); an all-reduce of n equal buffers is n times one for SUM, one buffer for the rest."""
-    if op == dist.ReduceOp.AVG:
-        return 1.0 / n if kind == "reduce_scatter" else 1.0
-    if op == dist.ReduceOp.SUM:
-        return 1.0 if kind == "reduce_scatter" else float(n)
-    return 1.0 / n if kind == "reduce_scatter" else 1.0
+def _scale(opts: Any, n: int, kind: str) -> float:
+    """The factor that ``opts.reduceOp`` (default SUM) makes of n equal parts: a reduce-scatter already sums
+    its n chunks (a mean for anything but SUM); an all-reduce is n buffers for SUM, one for the rest."""
+    is_sum = (opts.reduceOp if opts is not None else dist.ReduceOp.SUM) == dist.ReduceOp.SUM
+    if kind == "reduce_scatter":
+        return 1.0 if is_sum else 1.0 / n
+    return float(n) if is_sum else 1.0
 
 
 # What the kernel moves itself (``kernels.hold``'s ``move``): (mode, src, dst, elements per chunk, chunks, scale).
@@ -118,18 +111,16 @@ _Data = tuple[str, torch.Tensor, torch.Tensor, int, int, float] | None
 
 
 def _in_kernel(*tensors: torch.Tensor) -> bool:
-    """Whether the collective's kernel can move these tensors' data itself: contiguous floating CUDA tensors."""
     return all(t.is_cuda and t.is_contiguous() and t.dtype.is_floating_point for t in tensors)
 
 
 def _single(mode: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], n: int,
             scale: float) -> _Data:
-    """The kernel's own data movement for a one-tensor all-gather (``"gather"``) or reduce-scatter
-    (``"reduce"``), or ``None`` where torch ops move it (several tensors, other dtypes or layouts)."""
-    if len(outputs) != 1 or len(inputs) != 1 or (mode == "gather" and outputs[0].dtype != inputs[0].dtype):
+    """The kernel's data movement for a one-tensor all-gather or reduce-scatter, else ``None`` (torch ops)."""
+    if len(outputs) != 1 or len(inputs) != 1:
         return None
     o, i = outputs[0], inputs[0]
-    if not _in_kernel(o, i):
+    if (mode == "gather" and o.dtype != i.dtype) or not _in_kernel(o, i):
         return None
     return (mode, i, o, i.numel() if mode == "gather" else o.numel(), n, scale)
 
@@ -167,26 +158,23 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"EmulatedGroup(ranks {self._ranks[0]}..{self._ranks[-1]} of {len(self._ranks)})"
 
-    # --- one launch ------------------------------------------------------------------------------
-
-    def _launch(self, kind: str, full_bytes: int, tensors: Sequence[torch.Tensor], move: Callable[[], None],
-                result: list[torch.Tensor], data: _Data = None) -> _Work:
-        """Count the collective, then run it: on the GPU, the kernel of NOTE [emulated kernel] on the group's
-        stream, moving ``data`` itself (or after ``move``'s torch ops where ``data`` is ``None``); on CPU,
-        ``move`` at once."""
+    def _launch(self, kind: str, full: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor],
+                move: Callable[[], None], result: list[torch.Tensor], data: _Data = None) -> _Work:
+        """Count the collective (``full``: its full buffers), then run NOTE [emulated kernel] on the group's
+        stream, moving ``data`` (``None``: after ``move``'s torch ops); on CPU, just ``move``."""
         assert _state is not None, "an emulated group outlived its world"
+        full_bytes = sum(t.numel() * t.element_size() for t in full)
         _state.ledger.add(kind, full_bytes)
         cuda = [t for t in tensors if t.is_cuda]
         if not cuda:
             move()
             return _Work(None, result)
         from fsdp_compile.emulate import kernels  # needs triton: imported where a GPU is in use
-
         device = cuda[0].device
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._streams:
             self._streams[index] = torch.cuda.Stream(device=index)
-            self._flags[index] = torch.zeros(1, dtype=torch.int64, device=device)  # the last finished token
+            self._flags[index] = torch.zeros(1, dtype=torch.int64, device=device)  # last finished token
         if index not in _state.active:
             _state.active[index] = torch.zeros(1, dtype=torch.int64, device=device)
         stream, caller = self._streams[index], torch.cuda.current_stream(index)
@@ -204,8 +192,6 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
             t.record_stream(stream)
         return _Work(done, result)
 
-    # --- all-gather ------------------------------------------------------------------------------
-
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
         return self.all_gather_single_coalesced([output], [input], opts)
 
@@ -219,8 +205,7 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
                     o.copy_(inp)
 
         outs = [o for os in output_tensors for o in os]
-        full = sum(o.numel() * o.element_size() for o in outs)
-        return self._launch("all_gather", full, outs + list(input_tensors), move, outs)
+        return self._launch("all_gather", outs, outs + list(input_tensors), move, outs)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> _Work:
@@ -230,13 +215,10 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
             for o, i in zip(outputs, inputs):
                 o.view(n, -1).copy_(i.reshape(1, -1).expand(n, -1))
 
-        full = sum(o.numel() * o.element_size() for o in outputs)
         data = _single("gather", outputs, inputs, n, 1.0)
-        return self._launch("all_gather", full, list(outputs) + list(inputs), move, list(outputs), data)
+        return self._launch("all_gather", outputs, list(outputs) + list(inputs), move, list(outputs), data)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    # --- reduce-scatter --------------------------------------------------------------------------
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
         return self.reduce_scatter_single_coalesced([output], [input], opts)
@@ -245,7 +227,7 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any = None) -> _Work:
-        scale = _scale(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self.size(), "reduce_scatter")
+        scale = _scale(opts, self.size(), "reduce_scatter")
 
         def move() -> None:
             for o, ins in zip(outputs, input_lists):
@@ -255,13 +237,12 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
                     o.copy_(ins[0])
 
         ins = [i for il in input_lists for i in il]
-        full = sum(i.numel() * i.element_size() for i in ins)
-        return self._launch("reduce_scatter", full, list(outputs) + ins, move, list(outputs))
+        return self._launch("reduce_scatter", ins, list(outputs) + ins, move, list(outputs))
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> _Work:
-        n, scale = self.size(), _scale(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self.size(),
-                                       "reduce_scatter")
+        n = self.size()
+        scale = _scale(opts, n, "reduce_scatter")
 
         def move() -> None:
             for o, i in zip(outputs, inputs):
@@ -270,32 +251,27 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
                 else:
                     o.view(-1).copy_(i.reshape(n, -1)[0])
 
-        full = sum(i.numel() * i.element_size() for i in inputs)
         data = _single("reduce", outputs, inputs, n, scale)
-        return self._launch("reduce_scatter", full, list(outputs) + list(inputs), move, list(outputs), data)
+        return self._launch("reduce_scatter", inputs, list(outputs) + list(inputs), move, list(outputs), data)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    # --- all-reduce, broadcast, barrier, all-to-all ----------------------------------------------
-
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
-        scale = _scale(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, self.size(), "all_reduce")
+        scale = _scale(opts, self.size(), "all_reduce")
 
         def move() -> None:
             if scale != 1.0:
                 for t in tensors:
                     t.mul_(int(scale) if not t.dtype.is_floating_point else scale)
 
-        full = sum(t.numel() * t.element_size() for t in tensors)
         data = ("scale", tensors[0], tensors[0], tensors[0].numel(), 1, scale) \
             if len(tensors) == 1 and _in_kernel(tensors[0]) else None
-        return self._launch("all_reduce", full, list(tensors), move, list(tensors), data)
+        return self._launch("all_reduce", tensors, list(tensors), move, list(tensors), data)
 
     allreduce_coalesced = allreduce
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
-        full = sum(t.numel() * t.element_size() for t in tensors)
-        return self._launch("broadcast", full, list(tensors), lambda: None, list(tensors))
+        return self._launch("broadcast", tensors, list(tensors), lambda: None, list(tensors))
 
     def barrier(self, opts: Any = None) -> _Work:
         assert _state is not None
@@ -307,7 +283,7 @@ class EmulatedGroup(PythonGroupDevices, dist.ProcessGroup):
         def move() -> None:
             output.view(-1)[: min(output.numel(), input.numel())].copy_(input.view(-1)[: output.numel()])
 
-        return self._launch("all_to_all", input.numel() * input.element_size(), [output, input], move, [output])
+        return self._launch("all_to_all", [input], [output, input], move, [output])
 
     alltoall_base = all_to_all_single
 
@@ -334,35 +310,29 @@ def _all_gather_out(input: torch.Tensor, group_size: int, group: Any, *, out: to
 
 
 def _install_out_forms() -> None:
-    """Route ``_c10d_functional.all_gather_into_tensor_out`` through the group's Python method.
-
-    Torch's kernel for this op asks the group for a C++ backend per device, which a process group
-    written in Python has not; the others dispatch to the group's own methods already. This kernel does
-    what torch's does (launch, then register the work for ``wait_tensor``) through public calls.
-    """
+    """Route ``_c10d_functional.all_gather_into_tensor_out`` through the group's Python method: torch's kernel
+    asks for a C++ backend, which a Python process group has not (the other ops reach the group already)."""
     global _out_forms
     if _out_forms is None:
         _out_forms = torch.library.Library("_c10d_functional", "IMPL")
-        with warnings.catch_warnings():  # "Overriding a previously registered kernel": meant
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
             warnings.simplefilter("ignore")
             _out_forms.impl("all_gather_into_tensor_out", _all_gather_out, "CompositeExplicitAutograd")
 
 
 def init_emulated_world(world: int | EmulatedTopology, *, hosts: int = 1, hardware: str | Hardware = "h200",
-                        calibration: str | None = None, blocks: int = 32, shared: float = SHARED_LINKS) -> EmulatedTopology:
+                        calibration: str | None = None, blocks: int = 32,
+                        shared: float = SHARED_LINKS) -> EmulatedTopology:
     """Make this process rank 0 of ``world`` ranks on ``hosts`` hosts, on the emulated backend.
 
-    Call it where ``init_process_group`` would be called; every group made afterwards is emulated
-    (NOTE [emulated backend]); ``dist.destroy_process_group()`` ends the world. ``hardware`` is a preset
-    name or a ``Hardware``, ``calibration`` a JSON of measured numbers over it; ``blocks`` and ``shared``
-    as in ``EmulatedTopology``. Returns the topology, whose ``solo_seconds`` says what a collective costs.
+    Call it instead of ``init_process_group`` (NOTE [emulated backend]); ``dist.destroy_process_group()`` ends
+    the world. ``hardware``: a preset name or a ``Hardware``; ``calibration``: a JSON of measured numbers over
+    it; ``blocks``, ``shared``: see ``EmulatedTopology``. Returns the topology.
     """
     global _state
     if dist.is_initialized():
-        raise RuntimeError(
-            "init_emulated_world: a default process group exists already; call it instead of "
-            "init_process_group, or dist.destroy_process_group() first."
-        )
+        raise RuntimeError("init_emulated_world: a default process group exists already; call it instead of "
+                           "init_process_group, or dist.destroy_process_group() first.")
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
     topology = world if isinstance(world, EmulatedTopology) else EmulatedTopology(

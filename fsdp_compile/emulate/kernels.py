@@ -1,24 +1,15 @@
 """The GPU kernel an emulated collective runs: its own thread blocks move the data and hold for its time.
 
-NOTE [emulated kernel]: on the communicator's stream a collective is one launch of ``blocks`` programs,
-as an NCCL collective is one kernel of one thread block per channel:
-
-1. Program 0 notes the GPU's clock (``%globaltimer``, ns) and adds one to the count of collectives
-   running on this GPU (a device counter shared by every communicator).
-2. Every program moves its share of the data through device memory, as a rank's NCCL kernel would
-   on its own SMs: an all-gather writes its whole output from its input (the input repeated: rank 0's
-   data in every rank's place); a reduce-scatter reads its whole input and writes the scaled sum of
-   its chunks; an all-reduce scales its buffer in place. The GPU's other SMs stay free for compute, and
-   collectives on two communicators move their data at the same time.
-3. Program 0 then advances the collective's progress with the clock from its start, at ``min(1,
-   shared / k)`` of its solo rate while ``k`` collectives run (NOTE [emulated time]), until the progress
-   reaches the solo time; it takes one off the count and writes the collective's token into the
-   communicator's flag. The other programs spin until the flag holds the token, so the launch holds
-   ``blocks`` thread blocks for the collective's whole time.
-
-The collective ends when its data has moved and its time is up, whichever is later. Forms whose
-data is a list of tensors move it with torch ops on the communicator's stream before the kernel
-(``move=None`` here); ``measure.timeline_of_trace`` counts such copies as the collective's.
+NOTE [emulated kernel]: a collective is one launch of ``blocks`` programs on the communicator's stream, as an
+NCCL collective is one kernel of one thread block per channel. Program 0 reads the clock (``%globaltimer``) and
+increments the GPU's count of running collectives. Every program moves its share of the data, as NCCL's kernel
+would on its own SMs (all-gather: the input repeated into the output; reduce-scatter: the scaled sum of the
+input's chunks; all-reduce: the buffer scaled in place), leaving the other SMs to compute. Program 0 then
+advances the progress at ``min(1, shared / k)`` of the solo rate while ``k`` collectives run (NOTE [emulated
+time]) until it reaches the solo time, decrements the count and writes the token into the communicator's flag;
+the other programs spin on the flag, so the launch holds its blocks for the collective's whole time. Forms with
+lists of tensors move them with torch ops before the kernel (``move=None``); ``measure.timeline_of_trace``
+counts those copies as the collective's.
 """
 
 from __future__ import annotations
@@ -30,10 +21,9 @@ import triton.language as tl
 __all__ = ["hold", "RATE_ONE"]
 
 RATE_ONE = 1024  # progress rate of a collective running alone, in fixed point
-_WARPS, _BLOCK = 16, 16384  # per program: enough loads in flight for 16 programs to draw over 1 TB/s
+_WARPS, _BLOCK = 16, 16384  # per program: enough loads in flight to draw on the memory bandwidth
 _GATHER, _REDUCE, _SCALE, _NONE = 0, 1, 2, 3
-# Integer arguments compiled as values, not specialised (a token or a count of 1 is not a constant); the
-# chunk size is, so that loads of a chunk divisible by 16 are vectorised.
+# Not specialised (a token or count of 1 is no constant); the chunk size ``m`` is, so aligned loads vectorise.
 _PLAIN_INTS = ["n", "token", "solo_ns", "shared_q"]
 
 
@@ -123,13 +113,9 @@ _MODES = {"gather": _GATHER, "reduce": _REDUCE, "scale": _SCALE}
 
 def hold(kind: str, *, active: torch.Tensor, flag: torch.Tensor, token: int, solo_ns: int, shared: float,
          blocks: int, move: tuple[str, torch.Tensor, torch.Tensor, int, int, float] | None = None) -> None:
-    """NOTE [emulated kernel] on the current stream: ``blocks`` programs move ``move``'s data and hold
-    until the collective's time is up, then write ``token`` into ``flag``.
-
-    ``move`` is ``(mode, src, dst, m, n, scale)`` with mode ``"gather"``, ``"reduce"`` or ``"scale"``
-    over contiguous tensors, or ``None`` for no data. ``active`` is the GPU's int64 counter of running
-    collectives, ``flag`` the communicator's.
-    """
+    """Launch NOTE [emulated kernel] on the current stream. ``move``: ``(mode, src, dst, m, n, scale)``, mode
+    ``"gather"``, ``"reduce"`` or ``"scale"``, or ``None``; ``active``: the GPU's counter; ``flag``: the
+    communicator's."""
     kernel = _KERNELS.get(kind, emulated_other)
     if move is None:
         mode, src, dst, m, n, scale = _NONE, flag, flag, 0, 0, 1.0

@@ -1,9 +1,7 @@
-"""Time training steps in an emulated world: step time, MFU, memory, and how much communication is exposed.
+"""Time training steps in an emulated world: step time, MFU, memory, and exposed communication.
 
-``measure_steps(step)`` runs a cold step, warm-up steps, timed steps (each between two device
-synchronisations) and two profiled steps, whose GPU timeline gives the exposed time of each collective
-kind: how long an emulated collective of that kind ran while no other kernel, copy or memset did (the
-compute waited for it, or had nothing to do). The profiled steps are written as a Perfetto trace.
+Profiled steps give each collective kind's exposed time: how long it ran while no other kernel, copy or memset
+did. They are written as a Perfetto trace.
 """
 
 from __future__ import annotations
@@ -75,8 +73,7 @@ def timeline_of_trace(events: Iterable[dict[str, Any]]) -> tuple[dict[str, list[
         if not any(name.startswith(_PREFIX) for _, name in spans):
             busy += [span for span, _ in spans]
             continue
-        # A communicator's stream: the copies before a kind's kernel are that collective's data
-        # (NOTE [emulated kernel]).
+        # a communicator's stream: the copies before a kind's kernel are its data (NOTE [emulated kernel])
         kind = "other"
         for span, name in sorted(spans, reverse=True):
             kind = next((k for n, k in _KIND_OF.items() if name.startswith(n)), kind)
@@ -120,11 +117,9 @@ class StepReport:
 def measure_steps(step: Callable[[], None], *, label: str, steps: int = 10, warmup: int = 3,
                   flops_per_step: float | None = None, peak_flops: float = 989e12,
                   trace: str | Path | None = None, trace_steps: int = 2) -> StepReport:
-    """Run ``step`` (one training step of this rank) cold, ``warmup`` times, then ``steps`` timed times.
-
-    Needs CUDA and an emulated world (``init_emulated_world``). MFU is ``flops_per_step`` (this rank's)
-    over the median step and ``peak_flops``.
-    """
+    """Run ``step`` (one training step of this rank) cold, ``warmup`` times, ``steps`` timed times, then
+    ``trace_steps`` profiled. Needs CUDA and ``init_emulated_world``. MFU: ``flops_per_step`` (this rank's) over
+    the median step and ``peak_flops``."""
     topo = emulated_topology()
     if topo is None or not torch.cuda.is_available():
         raise RuntimeError("measure_steps: needs a CUDA device and init_emulated_world(...) first")
@@ -159,7 +154,6 @@ def measure_steps(step: Callable[[], None], *, label: str, steps: int = 10, warm
 
 def _profile(step: Callable[[], None], n: int, report: StepReport, trace: str | Path | None) -> None:
     from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
@@ -172,7 +166,7 @@ def _profile(step: Callable[[], None], n: int, report: StepReport, trace: str | 
     comm, busy = timeline_of_trace(json.loads(text).get("traceEvents", []))
     report.exposed_ms = {k: exposed_seconds(v, busy) * 1e3 / n for k, v in comm.items()}
     report.collective_ms = {k: sum(e - s for s, e in _union(v)) * 1e3 / n for k, v in comm.items()}
-    if trace is not None:  # gzipped: a large model's trace is large JSON, and Perfetto opens .json.gz as it is
+    if trace is not None:  # gzipped: Perfetto opens .json.gz as it is
         Path(trace).parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(trace, "wt") as f:
             f.write(text)

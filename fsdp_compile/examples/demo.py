@@ -1,8 +1,7 @@
-"""The main job: train a small Llama-style transformer with ``fully_shard`` + ``fsdp_backend``.
+"""``python -m fsdp_compile demo``: train a small Llama-style transformer with ``fully_shard`` + ``fsdp_backend``.
 
-On CPU (default) the command spawns its own gloo ranks; with ``--device cuda`` run it under torchrun
-(one process per GPU, NCCL). The data is synthetic but learnable (each sequence counts up by a
-per-sequence stride modulo the vocabulary), so the loss visibly falls within a few dozen steps.
+On CPU it spawns gloo ranks; with ``--device cuda`` it runs under torchrun. The synthetic data is learnable
+(each sequence counts up by its own stride), so the loss visibly falls.
 """
 
 from __future__ import annotations
@@ -107,35 +106,31 @@ def train(rank: int, world: int, args: DemoArgs) -> list[float]:
     step()
     compile_s = time.perf_counter() - t0
     say(f"step   0  loss {losses[0]:.4f}  (compiled and ran in {compile_s:.1f} s)", flush=True)
-    # The bar starts after the compile, so its rate and remaining time are those of the compiled steps.
     bar = tqdm(range(1, args.steps), desc=f"fsdp-compile demo ({world} ranks)", disable=rank != 0, unit="step",
                total=args.steps, initial=1)
     t1 = time.perf_counter()
     for i in bar:
         step()
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        if rank == 0 and (i % 10 == 0 or i == args.steps - 1):  # (write prints whether or not the bar shows)
+        if rank == 0 and (i % 10 == 0 or i == args.steps - 1):
             bar.write(f"step {i:3d}  loss {losses[-1]:.4f}")
     bar.close()
     if rank == 0:
         steady = (time.perf_counter() - t1) / max(args.steps - 1, 1)
+        full = sum(torch.Size(sp.full_shape).numel() for m in model.modules() if (u := unit_of(m)) for sp in u.params)
         print(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f}; first step (compile) {compile_s:.1f} s, "
               f"then {steady * 1e3:.0f} ms/step; {sum(p.numel() for p in model.parameters())} local params "
-              f"of {sum(torch.Size(sp).numel() for sp in _full_shapes(model))} in all")
+              f"of {full} in all")
     groups.destroy()
     return losses
-
-
-def _full_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
-    """Every managed parameter's full shape."""
-    return [sp.full_shape for m in model.modules() if (u := unit_of(m)) for sp in u.params]
 
 
 def main(ns: argparse.Namespace) -> int:
     args = DemoArgs(**{k: getattr(ns, k) for k in DemoArgs.__dataclass_fields__})
     if args.device == "cuda":
         if "RANK" not in os.environ:
-            raise SystemExit("--device cuda runs under torchrun: torchrun --nproc-per-node=N -m fsdp_compile demo --device cuda")
+            raise SystemExit("--device cuda runs under torchrun: "
+                             "torchrun --nproc-per-node=N -m fsdp_compile demo --device cuda")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl")
         try:

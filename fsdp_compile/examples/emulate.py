@@ -1,9 +1,8 @@
 """``python -m fsdp_compile emulate``: train a preset model as rank 0 of an emulated world and report the step.
 
-One variant per process (``--variant all`` starts one process per variant, one after the other, and
-prints their table): fsdp-compile (eager reduce-scatter on two communicators), fsdp-compile-delayed
-(one communicator, reduce-scatters held to the next unit's backward) and FSDP2 + ``torch.compile``.
-``benchmarks/emulated.py`` adds SimpleFSDP (the ``bench`` extra) under the same world.
+One variant per process (``--variant all``: one process each, then their table): fsdp-compile (reduce-scatters
+on their own communicator), fsdp-compile-delayed (one communicator, the delayed schedule) and FSDP2 +
+``torch.compile``. ``benchmarks/emulated.py`` adds SimpleFSDP.
 """
 
 from __future__ import annotations
@@ -37,30 +36,25 @@ VALUES_NOTE = ("emulated world: compute and memory are this GPU's, collectives a
 
 
 def train_flops(cfg: ModelConfig, tokens: int) -> float:
-    """FLOPs of one training step over ``tokens`` tokens of one sequence: 6 N per token plus attention's
-    12 L H d T (N without the input embedding)."""
+    """FLOPs of one training step over one sequence: 6 N per token (N without the embedding) plus attention's."""
     with torch.device("meta"):
         n = sum(p.numel() for p in Transformer(cfg).parameters()) - cfg.vocab_size * cfg.dim
     return float(tokens * (6 * n + 12 * cfg.n_layers * cfg.dim * tokens))
 
 
 def meta_model(cfg: ModelConfig, tokens: int, dtype: str) -> Transformer:
-    """The model on the meta device, its parameters fp32 (``dtype="mixed"``: bf16 compute over fp32 shards)
-    or bf16 (``"bf16"``: parameters, gradients and optimizer state in bf16, no mixed precision)."""
+    """The model on the meta device, its parameters fp32 (``dtype="mixed"``) or bf16 (``"bf16"``)."""
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(cfg.with_(max_seq_len=max(cfg.max_seq_len, tokens)))
     return model.to(torch.bfloat16) if dtype == "bf16" else model
 
 
-def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device,
-               dtype: str = "mixed", options: dict[str, Any] | None = None,
-               root_reshard: bool = True) -> Callable[[], None]:
-    """One training step of ``variant`` on this rank's shards (built on meta, ``to_empty``, initialised);
-    ``options`` go to ``make_backend`` for our variants (e.g. ``{"bucket_alone_bytes": None}``), and
-    ``root_reshard`` is our root unit's ``reshard_after_forward`` (FSDP2 keeps its root gathered by default)."""
+def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device, dtype: str = "mixed",
+               options: dict[str, Any] | None = None, root_reshard: bool = True) -> Callable[[], None]:
+    """One training step of ``variant`` on this rank's shards; ``options`` go to our variants' ``make_backend``,
+    ``root_reshard`` is our root unit's ``reshard_after_forward``."""
     from fsdp_compile import FsdpGroups, MixedPrecisionPolicy, fully_shard, make_backend
-
     model = meta_model(cfg, tokens, dtype)
     bf16_over_fp32 = dtype == "mixed"
     if variant in ("fsdp-compile", "fsdp-compile-delayed"):
@@ -76,12 +70,11 @@ def build_step(variant: str, cfg: ModelConfig, tokens: int, device: torch.device
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy as Fsdp2Mp
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         mp2 = Fsdp2Mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_over_fp32 else Fsdp2Mp()
         for block in model.layers:
             fsdp2_fully_shard(block, mesh=mesh, mp_policy=mp2)
-        fsdp2_fully_shard(model, mesh=mesh, mp_policy=mp2)  # its root stays gathered into backward by default
+        fsdp2_fully_shard(model, mesh=mesh, mp_policy=mp2)
         forward = torch.compile(model)
     else:
         raise ValueError(f"build_step: unknown variant {variant!r}; expected one of {VARIANTS}")
@@ -100,7 +93,6 @@ def _step(forward: Any, model: torch.nn.Module, cfg: ModelConfig, tokens: int,
         loss_fn(forward(data[:, :-1]), data[:, 1:]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-
     return step
 
 
@@ -137,10 +129,9 @@ def add_arguments(p: argparse.ArgumentParser, variants: tuple[str, ...] = VARIAN
 
 def _argv(ns: argparse.Namespace, variant: str, json_path: str) -> list[str]:
     """The command line of one variant's process."""
-    flags = ["world", "hosts", "hardware", "calibration", "blocks", "shared", "model", "layers", "tokens", "dtype", "steps",
-             "warmup", "out"]
     argv = ["emulate", "--variant", variant, "--json", json_path]
-    for name in flags:
+    for name in ("world", "hosts", "hardware", "calibration", "blocks", "shared", "model", "layers", "tokens", "dtype",
+                 "steps", "warmup", "out"):
         if getattr(ns, name) is not None:
             argv += [f"--{name}", str(getattr(ns, name))]
     for pair in ns.option or []:
@@ -156,7 +147,7 @@ Builder = Callable[..., Callable[[], None]]
 
 
 def backend_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``["name=value", ...]`` (``--option``) as make_backend keyword arguments, values Python literals."""
+    """``--option`` pairs ``["name=value", ...]`` as make_backend keyword arguments."""
     options: dict[str, Any] = {}
     for pair in pairs or []:
         name, sep, value = pair.partition("=")
@@ -176,7 +167,6 @@ def run_variant(ns: argparse.Namespace, variant: str, build: Builder = build_ste
     init_emulated_world(EmulatedTopology(ns.world, hw, hosts=ns.hosts, blocks=ns.blocks, shared=ns.shared))
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = PRESETS[ns.model].with_(**({"n_layers": ns.layers} if ns.layers else {}))
-    # cold by default: what this code compiles, not what an earlier run left in the compile caches
     with inductor_config_patch({"force_disable_caches": not ns.warm_cache}):
         step = build(variant, cfg, ns.tokens, device, ns.dtype, backend_options(ns.option), ns.root_reshard)
         report = measure_steps(step, label=variant, steps=ns.steps, warmup=ns.warmup,
@@ -187,8 +177,7 @@ def run_variant(ns: argparse.Namespace, variant: str, build: Builder = build_ste
 
 
 def _write_summary(path: Path, args: dict[str, Any], reports: list[dict[str, Any]]) -> None:
-    """Write ``reports`` to ``path``, keeping the runs of other variants already there with the same settings
-    (variants run one per command add up to one summary; a run of the same variant replaces its row)."""
+    """Write ``reports`` to ``path``, keeping the other variants' runs there with the same settings."""
     same = {k: v for k, v in args.items() if k not in ("variant", "variants", "json")}
     runs: list[dict[str, Any]] = []
     if path.exists():
@@ -201,8 +190,8 @@ def _write_summary(path: Path, args: dict[str, Any], reports: list[dict[str, Any
 
 
 def main(ns: argparse.Namespace, build: Builder = build_step, module: str = "fsdp_compile") -> int:
-    """Run ``ns.variant`` here, or with ``--variant all`` each of ``ns.variants`` in a process of its own
-    (``python -m <module> emulate ...``), and print their table."""
+    """Run ``ns.variant`` here, or (``--variant all``) each of ``ns.variants`` in a ``python -m <module>``
+    process of its own, and print their table."""
     if not torch.cuda.is_available():
         print("emulate: needs a CUDA GPU (the emulated collectives run kernels; the bookkeeping alone runs on "
               "CPU: see tests/test_emulate.py)", file=sys.stderr)
@@ -213,7 +202,7 @@ def main(ns: argparse.Namespace, build: Builder = build_step, module: str = "fsd
         if len(variants) == 1:
             reports.append(run_variant(ns, variant, build).to_json())
             continue
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:  # each variant in a fresh process
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, "-m", module, *_argv(ns, variant, f.name)]
             proc = subprocess.run(cmd, text=True, capture_output=True)
             if proc.returncode != 0:

@@ -1,10 +1,8 @@
 """Run a function on several ranks in spawned processes, with a deadline and every rank's traceback.
 
-Used by the demo and the benchmarks (CPU ranks on gloo, no torchrun needed) and by the tests.
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each initialising a gloo process
-group (one worker thread per group: NOTE [one gloo thread per group] in api/groups.py), seeding torch with one seed (0) on every rank and calling ``fn(rank, world_size, *args)``; it returns the per-rank results in rank order.
-A rank that raises makes it raise ``RankFailure`` carrying each failed rank's traceback; a run that
-passes ``timeout`` seconds is killed and raises too, so a wrong schedule fails instead of hanging.
+Used by the demo, the benchmarks and the tests (gloo ranks with one worker thread per group: NOTE [one gloo
+thread per group]; no torchrun needed). A rank that raises, or a run past its deadline, raises ``RankFailure``,
+so a wrong schedule fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -44,29 +42,28 @@ def _free_port() -> int:
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any,
             args: tuple, pg_timeout_s: float, threads: int, backend: str, stderr: Any) -> None:
-    os.dup2(stderr.fileno(), 2)  # into the parent, which passes it on and keeps its end (_Stderr)
+    os.dup2(stderr.fileno(), 2)  # into the parent's _Stderr
     stderr.close()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    print_native_stacks_on_fatal_signal()  # a crash in native code prints every thread's native stack
+    print_native_stacks_on_fatal_signal()  # a crash prints every thread's native stack ...
     faulthandler.enable()  # ... after every thread's Python stack
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            serial_gloo() if backend == "gloo" else backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
-        )
+        dist.init_process_group(serial_gloo() if backend == "gloo" else backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
         torch.manual_seed(0)  # one seed on every rank, as a training script sets (NOTE [ranks built alike])
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
-        torch.save(out, buf)  # by value: the process may exit before the parent maps shared memory
+        torch.save(out, buf)  # by value: the process may exit before the parent maps its shared memory
         results.put((rank, "ok", buf.getvalue()))
     except BaseException as e:  # reported to the parent, which raises
         tb = traceback.format_exc()
         try:
-            peers.note_failure(f"{type(e).__name__}: {e}")  # and to the peers, so they stop waiting at once
-        finally:  # even where the store is gone
+            peers.note_failure(f"{type(e).__name__}: {e}")  # and to the peers, so they stop waiting
+        finally:
             results.put((rank, "error", tb))
     finally:
         if dist.is_initialized():
@@ -77,9 +74,7 @@ _TAIL_BYTES = 1 << 18  # room for every thread's native stack after a crash
 
 
 class _Stderr:
-    """A rank's standard error (file descriptor 2: Python's, faulthandler's and native code's, glibc's
-    included): passed on to this process's as it comes, its last ``_TAIL_BYTES`` kept to say how a rank
-    that died without reporting ended."""
+    """A rank's file descriptor 2, passed on to this process's as it comes; its last ``_TAIL_BYTES`` kept."""
 
     def __init__(self, ctx: Any) -> None:
         self.read_end, self.write_end = ctx.Pipe(duplex=False)
@@ -87,7 +82,7 @@ class _Stderr:
         self.thread = threading.Thread(target=self._pump, name="run_ranks-stderr", daemon=True)
 
     def start(self) -> None:
-        self.write_end.close()  # the rank holds its own copy: end of file when it (and its children) exit
+        self.write_end.close()  # the rank holds its own copy: end of file when it exits
         self.thread.start()
 
     def _pump(self) -> None:
@@ -113,8 +108,7 @@ class _Stderr:
 
 
 def _last_words(text: str, size: int = 12000) -> str:
-    """``size`` characters of a dead rank's stderr from where its fatal error starts (glibc's heap message,
-    else faulthandler's), which the native stacks follow; else its last ``size`` characters."""
+    """``size`` characters of a dead rank's stderr from its fatal error (glibc's, else faulthandler's) on."""
     starts = [i for i in (text.rfind("malloc"), text.rfind("Fatal Python error")) if i >= 0]
     if not starts:
         return text[-size:]
@@ -132,8 +126,7 @@ def _collect(results: Any, world_size: int, procs: list, deadline: float, grace_
             if all(not p.is_alive() for p in procs) and results.empty():
                 break
         if any(s == "error" for s, _ in got.values()):
-            # A failed rank leaves its peers blocked in a collective: give them ``grace_s`` to report
-            # (gloo's own timeout fires later), then stop waiting.
+            # a failed rank leaves its peers blocked in a collective: they get ``grace_s`` to report
             grace = min(deadline, time.monotonic() + grace_s)
             while len(got) < world_size and time.monotonic() < grace:
                 try:
@@ -147,7 +140,7 @@ def _collect(results: Any, world_size: int, procs: list, deadline: float, grace_
 
 
 def _how_it_ended(exitcode: int | None, hung: bool, timeout: float) -> str:
-    """Why a rank sent no result, in words that say where to look."""
+    """Why a rank sent no result."""
     if hung:
         return f"was still running when the run stopped waiting ({timeout:.0f}s, or a peer had failed): a hang; killed"
     if exitcode is not None and exitcode < 0:
@@ -163,14 +156,13 @@ def _how_it_ended(exitcode: int | None, hung: bool, timeout: float) -> str:
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
               pg_timeout_s: float = 120.0, threads: int | None = None, backend: str = "gloo",
               grace_s: float = 10.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks, torch seeded alike; return results
+    by rank.
 
-    ``fn`` must be importable by module path (spawned processes unpickle it). Each rank uses
-    ``threads`` intra-op threads (default: the cores divided among the ranks, at least one).
-    With ``backend="nccl"`` rank ``r`` uses GPU ``r`` (one GPU per rank). Results travel by value
-    (``torch.save``), so tensors are fine. Once a rank has failed, the others get ``grace_s`` seconds to
-    finish or fail on their own before they are killed. The failure of a rank that died without
-    reporting ends with what it last wrote to stderr (every thread's native and Python stack).
+    ``fn`` must be importable. ``threads``: intra-op threads per rank (default: the cores divided among the
+    ranks). With ``backend="nccl"`` rank ``r`` uses GPU ``r``. Results travel by value (``torch.save``). Once a
+    rank has failed, the others get ``grace_s`` seconds before they are killed. A rank that died without
+    reporting is described by the end of its stderr.
     """
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -195,7 +187,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if p.is_alive():
                 p.kill()
                 p.join()
-        until = time.monotonic() + 2.0  # the ranks' last words, before this process may exit
+        until = time.monotonic() + 2.0  # the ranks' last words
         for err in errs:
             err.thread.join(timeout=max(0.0, until - time.monotonic()))
     failed = {r: payload for r, (s, payload) in got.items() if s == "error"}

@@ -1,13 +1,8 @@
-"""A small Llama-style decoder (embedding, RMSNorm, causal attention with RoPE, SwiGLU, output head).
-
-Used by the demo, the tests, ``explain`` and the benchmarks; ``ModelConfig`` presets go from a tiny
-model that compiles in seconds on a CPU up to Llama-3-8B/70B shapes (built on the meta device).
-"""
+"""A small Llama-style decoder (RMSNorm, causal attention with RoPE, SwiGLU); presets from tiny to Llama-3-70B."""
 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, replace
 
 import torch
@@ -35,9 +30,7 @@ class ModelConfig:
 
     @property
     def ffn_dim(self) -> int:
-        if self.hidden_dim is not None:
-            return self.hidden_dim
-        return 8 * -(-(8 * self.dim // 3) // 8)
+        return self.hidden_dim if self.hidden_dim is not None else 8 * -(-(8 * self.dim // 3) // 8)
 
     @property
     def kv_heads(self) -> int:
@@ -51,14 +44,12 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=64),
     "demo": ModelConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, max_seq_len=128),
-    # 4 Llama blocks of width 4096, no GQA, a 32k vocabulary: the model of the two-H200 step measurements
+    # 4 Llama blocks of width 4096, no GQA, a 32k vocabulary
     "llama-d4096": ModelConfig(vocab_size=32000, dim=4096, n_layers=4, n_heads=32, max_seq_len=2048),
-    "llama3-8b": ModelConfig(
-        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336, max_seq_len=8192
-    ),
-    "llama3-70b": ModelConfig(
-        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672, max_seq_len=8192
-    ),
+    "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                             max_seq_len=8192),
+    "llama3-70b": ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672,
+                              max_seq_len=8192),
 }
 
 
@@ -86,7 +77,7 @@ def _rope_tables(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (batch, heads, seq, head_dim); rotate pairs (even, odd)
+    """RoPE of ``x`` ``(batch, heads, seq, head_dim)``: rotates pairs (even, odd)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     c, s = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
     return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
@@ -116,8 +107,7 @@ def heads(t: Tensor, n: int) -> Tensor:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Causal attention of ``heads``-shaped ``q``, ``k``, ``v`` (``k`` and ``v`` may have fewer heads:
-    grouped-query attention), RoPE applied to ``q`` and ``k``; the result ``(batch, seq, heads * head_dim)``."""
+    """Causal attention with RoPE of ``heads``-shaped ``q``, ``k``, ``v`` (``k``, ``v`` may have fewer heads)."""
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
@@ -168,9 +158,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def init_weights(self) -> None:
-        """torchtitan's Llama initialisation, through module attributes (it also runs on a sharded model
-        after ``to_empty``: every rank computes the same full values and keeps its rows), and the RoPE
-        tables, which ``to_empty`` leaves uninitialised."""
+        """torchtitan's Llama initialisation (also on a sharded model after ``to_empty``), and the RoPE tables."""
         std_out = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         with torch.no_grad():
             cos, sin = _rope_tables(self.cfg)
